@@ -1,0 +1,56 @@
+"""Shared fixtures: the repo paths and the multi-host namespace testbed (one per session)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.testbed import Testbed, TestbedError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+
+def testbed_missing_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root for network namespaces"
+    if not Path("/usr/sbin/sshd").exists() or shutil.which("ip") is None:
+        return "needs openssh-server and iproute2 (bash .ci/setup --with-testbed)"
+    return None
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def venv_bin() -> Path:
+    return VENV_BIN
+
+
+@pytest.fixture(scope="session")
+def testbed():
+    """Three namespace hosts (node0..node2) with sshd, torn down at the end of the session.
+
+    In CI a missing prerequisite fails instead of skipping, so a broken setup cannot pass as green.
+    """
+    reason = testbed_missing_reason()
+    if reason:
+        if os.environ.get("CI"):
+            pytest.fail(f"testbed unavailable in CI: {reason}")
+        pytest.skip(reason)
+    tb = Testbed()
+    try:
+        tb.up(3)
+    except TestbedError as e:
+        tb.down()
+        pytest.fail(f"testbed up failed: {e}")
+    try:
+        yield tb
+    finally:
+        tb.down()

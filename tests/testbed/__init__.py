@@ -1,0 +1,329 @@
+"""Multi-host testbed: N fake hosts on this machine, each a network namespace with its own sshd.
+
+Every host gets an IP on a private /24 behind a bridge, its own hostname (UTS namespace), a private
+mount namespace with overlayfs over /etc /opt /root /srv /home /var (so roles that edit /etc/hosts or
+install into /opt never touch the real machine), a private /run, and an sshd that accepts only the
+testbed's key. Host keys are generated per host and written to a known_hosts file: host key checking
+stays on. An Ansible inventory of the hosts is written for the roles and the launcher.
+
+    python -m tests.testbed up 3        # prints the hosts, writes inventory/testbed/hosts.yml
+    python -m tests.testbed down        # kills its processes by PID, deletes its namespaces
+
+Several testbeds can coexist when they use different --prefix and --net values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_PREFIX = os.environ.get("DDP_TESTBED_PREFIX", "tb")
+DEFAULT_NET = os.environ.get("DDP_TESTBED_NET", "10.213.50")
+OVERLAY_DIRS = ("/etc", "/opt", "/root", "/srv", "/home", "/var")
+FIRST_HOST_OCTET = 10
+
+
+class TestbedError(RuntimeError):
+    """The testbed could not be built or torn down."""
+
+
+def _run(*cmd: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    res = subprocess.run(list(cmd), capture_output=True, text=True, **kw)
+    if check and res.returncode != 0:
+        raise TestbedError(f"{shlex.join(cmd)} failed ({res.returncode}): {res.stderr.strip()}")
+    return res
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    name: str
+    ip: str
+    netns: str
+
+
+@dataclasses.dataclass
+class Testbed:
+    """One set of namespace hosts, identified by its prefix (namespaces, bridge and state dir)."""
+
+    __test__ = False  # not a pytest test class
+
+    prefix: str = DEFAULT_PREFIX
+    net: str = DEFAULT_NET
+    state_root: Path = Path("/tmp")
+
+    def __post_init__(self) -> None:
+        if not self.prefix.isalnum() or len(self.prefix) > 6:
+            raise TestbedError(f"testbed prefix must be 1-6 letters/digits, got {self.prefix!r}")
+        parts = self.net.split(".")
+        if len(parts) != 3 or not all(p.isdigit() and 0 <= int(p) <= 255 for p in parts):
+            raise TestbedError(f"testbed net must look like 10.213.50 (a /24), got {self.net!r}")
+
+    # ---- names and paths -------------------------------------------------------------------
+    @property
+    def state_dir(self) -> Path:
+        return self.state_root / f"ddp-testbed-{self.prefix}"
+
+    @property
+    def bridge(self) -> str:
+        return f"br-{self.prefix}"
+
+    @property
+    def bridge_ip(self) -> str:
+        return f"{self.net}.1"
+
+    @property
+    def key_file(self) -> Path:
+        return self.state_dir / "keys" / "id_ed25519"
+
+    @property
+    def known_hosts(self) -> Path:
+        return self.state_dir / "keys" / "known_hosts"
+
+    @property
+    def ssh_config(self) -> Path:
+        return self.state_dir / "keys" / "ssh_config"
+
+    @property
+    def inventory_dir(self) -> Path:
+        suffix = "" if self.prefix == "tb" else f"-{self.prefix}"
+        return REPO_ROOT / "inventory" / f"testbed{suffix}"
+
+    @property
+    def inventory(self) -> Path:
+        return self.inventory_dir / "hosts.yml"
+
+    def host(self, i: int) -> Host:
+        return Host(name=f"node{i}", ip=f"{self.net}.{FIRST_HOST_OCTET + i}", netns=f"{self.prefix}-node{i}")
+
+    def hosts(self) -> list[Host]:
+        """The hosts that are up now (read from the state dir)."""
+        meta = self.state_dir / "hosts.json"
+        if not meta.exists():
+            return []
+        return [Host(**h) for h in json.loads(meta.read_text())]
+
+    def namespaces(self) -> list[str]:
+        out = _run("ip", "netns", "list").stdout
+        names = [line.split()[0] for line in out.splitlines() if line.strip()]
+        return [n for n in names if n.startswith(f"{self.prefix}-node")]
+
+    # ---- running things inside a host --------------------------------------------------------
+    def pids(self, host: Host | str) -> list[int]:
+        ns = host.netns if isinstance(host, Host) else host
+        res = _run("ip", "netns", "pids", ns, check=False)
+        return [int(p) for p in res.stdout.split()]
+
+    def sshd_pid(self, host: Host) -> int:
+        return int((self.state_dir / "hosts" / host.name / "sshd.pid").read_text())
+
+    def exec(self, host: Host, command: str, timeout: float = 60, check: bool = True):
+        """Run a shell command inside the host's network+mount+UTS namespaces (as sshd sees them)."""
+        pid = self.sshd_pid(host)
+        return _run(
+            "nsenter", "-t", str(pid), "-n", "-m", "-u", "--", "sh", "-c", command, check=check, timeout=timeout
+        )
+
+    def ssh_argv(self, host: Host | str, command: str) -> list[str]:
+        name = host.name if isinstance(host, Host) else host
+        return ["ssh", "-F", str(self.ssh_config), name, command]
+
+    def ssh(self, host: Host | str, command: str, timeout: float = 60, check: bool = True):
+        return _run(*self.ssh_argv(host, command), check=check, timeout=timeout)
+
+    # ---- up / down --------------------------------------------------------------------------
+    def up(self, n: int, loopback_hostname: bool = False) -> list[Host]:
+        """Create n hosts (tearing down a previous testbed of this prefix first)."""
+        if not 1 <= n <= 200:
+            raise TestbedError(f"host count must be 1..200, got {n}")
+        for tool in ("ip", "unshare", "nsenter", "ssh-keygen"):
+            if shutil.which(tool) is None:
+                raise TestbedError(f"'{tool}' not found: install iproute2, util-linux and openssh-client")
+        if not Path("/usr/sbin/sshd").exists():
+            raise TestbedError("/usr/sbin/sshd not found: install openssh-server")
+        if os.geteuid() != 0:
+            raise TestbedError("the testbed needs root (network and mount namespaces)")
+        self.down()
+        keys = self.key_file.parent
+        keys.mkdir(parents=True, exist_ok=True)
+        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"ddp-testbed-{self.prefix}", "-f", str(self.key_file))
+        authorized = keys / "authorized_keys"
+        shutil.copy(f"{self.key_file}.pub", authorized)
+        authorized.chmod(0o600)
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+
+        _run("ip", "link", "add", self.bridge, "type", "bridge")
+        _run("ip", "addr", "add", f"{self.bridge_ip}/24", "dev", self.bridge)
+        _run("ip", "link", "set", self.bridge, "up")
+
+        hosts = [self.host(i) for i in range(n)]
+        known = []
+        for h in hosts:
+            known.extend(self._start_host(h, hosts, authorized, loopback_hostname))
+        self.known_hosts.write_text("".join(known))
+        (self.state_dir / "hosts.json").write_text(json.dumps([dataclasses.asdict(h) for h in hosts]))
+        self._write_ssh_config(hosts)
+        for h in hosts:
+            self._wait_sshd(h)
+        self._write_inventory(hosts)
+        return hosts
+
+    def _start_host(self, h: Host, hosts: list[Host], authorized: Path, loopback_hostname: bool) -> list[str]:
+        d = self.state_dir / "hosts" / h.name
+        d.mkdir(parents=True)
+        veth = f"v{self.prefix}{h.name[4:]}"[:15]
+        _run("ip", "netns", "add", h.netns)
+        _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", h.netns)
+        _run("ip", "link", "set", veth, "master", self.bridge, "up")
+        _run("ip", "-n", h.netns, "addr", "add", f"{h.ip}/24", "dev", "eth0")
+        _run("ip", "-n", h.netns, "link", "set", "eth0", "up")
+        _run("ip", "-n", h.netns, "link", "set", "lo", "up")
+
+        hostkey = d / "ssh_host_ed25519_key"
+        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", h.name, "-f", str(hostkey))
+        pub = " ".join(Path(f"{hostkey}.pub").read_text().split()[:2])
+        (d / "sshd_config").write_text(
+            f"""Port 22
+ListenAddress {h.ip}
+HostKey {hostkey}
+PidFile {d}/sshd.pid
+PermitRootLogin prohibit-password
+PubkeyAuthentication yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+AuthorizedKeysFile {authorized}
+StrictModes no
+UsePAM no
+UseDNS no
+MaxSessions 100
+MaxStartups 100:30:200
+Subsystem sftp /usr/lib/openssh/sftp-server
+AcceptEnv LANG LC_*
+SetEnv PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+"""
+        )
+        lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
+        if loopback_hostname:  # what Debian's installer writes, and what breaks gloo/NCCL
+            lines.append(f"127.0.1.1\t{h.name}")
+        lines += [f"{o.ip}\t{o.name}" for o in hosts]
+        (d / "hosts").write_text("\n".join(lines) + "\n")
+        (d / "hostname").write_text(h.name + "\n")
+
+        setup = []
+        for src in OVERLAY_DIRS:
+            tag = src.strip("/").replace("/", "_")
+            upper, work = d / "ovl" / tag / "upper", d / "ovl" / tag / "work"
+            upper.mkdir(parents=True)
+            work.mkdir(parents=True)
+            setup.append(f"mount -t overlay overlay -o lowerdir={src},upperdir={upper},workdir={work} {src}")
+        setup += [
+            f"cp {d}/hosts /etc/hosts",
+            f"cp {d}/hostname /etc/hostname",
+            "mount -t tmpfs -o mode=755 tmpfs /run",
+            "mkdir -p /run/sshd /run/lock",
+            f"hostname {h.name}",
+            f"exec /usr/sbin/sshd -D -e -f {d}/sshd_config",
+        ]
+        script = "set -e; " + "; ".join(setup)
+        with open(d / "sshd.log", "wb") as log:
+            subprocess.Popen(
+                ["ip", "netns", "exec", h.netns, "unshare", "--mount", "--uts", "--propagation", "private",
+                 "--", "sh", "-c", script],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        return [f"{h.ip} {pub}\n", f"{h.name} {pub}\n"]
+
+    def _wait_sshd(self, h: Host, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        pidfile = self.state_dir / "hosts" / h.name / "sshd.pid"
+        while time.monotonic() < deadline:
+            if pidfile.exists():
+                res = _run("ip", "netns", "exec", h.netns, "ss", "-Hltn", f"sport = :22", check=False)
+                if f"{h.ip}:22" in res.stdout:
+                    return
+            time.sleep(0.05)
+        log = (self.state_dir / "hosts" / h.name / "sshd.log").read_text(errors="replace")
+        raise TestbedError(f"sshd on {h.name} ({h.ip}) did not start: {log.strip()[-500:]}")
+
+    def _write_ssh_config(self, hosts: list[Host]) -> None:
+        blocks = [
+            f"Host {h.name}\n  HostName {h.ip}\n  HostKeyAlias {h.name}\n" for h in hosts
+        ]
+        blocks.append(
+            f"Host *\n  User root\n  IdentityFile {self.key_file}\n  IdentitiesOnly yes\n"
+            f"  UserKnownHostsFile {self.known_hosts}\n  StrictHostKeyChecking yes\n  BatchMode yes\n"
+            "  ConnectTimeout 10\n"
+        )
+        self.ssh_config.write_text("\n".join(blocks))
+
+    def _write_inventory(self, hosts: list[Host]) -> None:
+        self.inventory_dir.mkdir(parents=True, exist_ok=True)
+        import yaml  # only needed here; keeps `down` usable without the venv
+
+        inv = {
+            "all": {
+                "children": {
+                    "gpu_nodes": {"hosts": {h.name: {"ansible_host": h.ip} for h in hosts}},
+                },
+                "vars": {
+                    "ansible_user": "root",
+                    "ansible_python_interpreter": "/usr/bin/python3",
+                    "ansible_ssh_private_key_file": str(self.key_file),
+                    "ansible_ssh_common_args": (
+                        f"-o UserKnownHostsFile={self.known_hosts} -o StrictHostKeyChecking=yes"
+                    ),
+                    "ddp_network_cidr": f"{self.net}.0/24",
+                    "ddp_testbed": True,
+                },
+            }
+        }
+        header = f"# Generated by `python -m tests.testbed up {len(hosts)} --prefix {self.prefix}`; do not edit.\n"
+        self.inventory.write_text(header + yaml.safe_dump(inv, sort_keys=False))
+
+    def down(self) -> None:
+        """Kill every process in this testbed's namespaces (by PID), delete them, the veths and bridge.
+
+        Safe to run twice and after a crash: it works from what exists, not from recorded state.
+        """
+        for ns in self.namespaces():
+            for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
+                pids = self.pids(ns)
+                for pid in pids:
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
+                deadline = time.monotonic() + wait
+                while self.pids(ns) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if not self.pids(ns):
+                    break
+            _run("ip", "netns", "del", ns, check=False)
+        links = _run("ip", "-o", "link", "show", check=False).stdout
+        for line in links.splitlines():
+            name = line.split(":")[1].strip().split("@")[0]
+            if name.startswith(f"v{self.prefix}") and name[len(self.prefix) + 1:].isdigit():
+                _run("ip", "link", "del", name, check=False)
+        if _run("ip", "link", "show", self.bridge, check=False).returncode == 0:
+            _run("ip", "link", "del", self.bridge, check=False)
+        if self.state_dir.exists():
+            self._unmount_leftovers()
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+        if self.inventory_dir.exists():
+            shutil.rmtree(self.inventory_dir, ignore_errors=True)
+
+    def _unmount_leftovers(self) -> None:
+        # Overlays live in the hosts' private mount namespaces, which die with their processes;
+        # nothing is mounted in ours. Guard anyway so rmtree never walks into a live mount.
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+        for m in mounts:
+            target = m.split()[1]
+            if target.startswith(str(self.state_dir)):
+                _run("umount", "-l", target, check=False)

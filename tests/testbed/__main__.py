@@ -1,0 +1,42 @@
+"""CLI: python -m tests.testbed {up N | down | status} [--prefix P] [--net A.B.C]."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import DEFAULT_NET, DEFAULT_PREFIX, Testbed, TestbedError
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tests.testbed", description=__doc__)
+    p.add_argument("--prefix", default=DEFAULT_PREFIX, help="names this testbed (namespaces, bridge, state dir)")
+    p.add_argument("--net", default=DEFAULT_NET, help="the private /24 to use, as A.B.C")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("up", help="create N hosts")
+    up.add_argument("n", type=int)
+    up.add_argument("--loopback-hostname", action="store_true",
+                    help="map each hostname to 127.0.1.1 in its /etc/hosts, as Debian's installer does")
+    sub.add_parser("down", help="kill the hosts' processes and delete their namespaces")
+    sub.add_parser("status", help="list the hosts and their process counts")
+    args = p.parse_args(argv)
+    try:
+        tb = Testbed(prefix=args.prefix, net=args.net)
+        if args.cmd == "up":
+            for h in tb.up(args.n, loopback_hostname=args.loopback_hostname):
+                print(f"{h.name} {h.ip} netns={h.netns}")
+            print(f"inventory: {tb.inventory}")
+            print(f"ssh: ssh -F {tb.ssh_config} node0")
+        elif args.cmd == "down":
+            tb.down()
+        else:
+            for ns in tb.namespaces():
+                print(f"{ns} pids={len(tb.pids(ns))}")
+    except TestbedError as e:
+        print(f"testbed: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
