@@ -12,6 +12,15 @@ from tests.testbed import Testbed
 pytestmark = pytest.mark.testbed
 
 
+def _alive(pid: int) -> bool:
+    """True while pid exists and is not a zombie."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
+
+
 def test_each_host_has_its_own_hostname_and_hosts_file(testbed):
     for h in testbed.hosts():
         res = testbed.ssh(h, "hostname; getent hosts $(hostname); cat /etc/hosts")
@@ -59,6 +68,6 @@ def test_down_leaves_no_namespace_and_no_process():
     tb.down()  # idempotent
     assert tb.namespaces() == []
     for pid in pids:
-        assert not Path(f"/proc/{pid}").exists()
+        assert not _alive(pid)
     assert subprocess.run(["ip", "link", "show", tb.bridge], capture_output=True).returncode != 0
     assert not tb.state_dir.exists()

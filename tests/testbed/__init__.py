@@ -233,10 +233,12 @@ SetEnv PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
         ]
         script = "set -e; " + "; ".join(setup)
         with open(d / "sshd.log", "wb") as log:
-            subprocess.Popen(
-                ["ip", "netns", "exec", h.netns, "unshare", "--mount", "--uts", "--propagation", "private",
-                 "--", "sh", "-c", script],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            # setsid --fork: sshd is reparented away from us, so killing it never leaves a zombie
+            # child in the test process.
+            subprocess.run(
+                ["setsid", "--fork", "ip", "netns", "exec", h.netns, "unshare", "--mount", "--uts",
+                 "--propagation", "private", "--", "sh", "-c", script],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, check=True,
             )
         return [f"{h.ip} {pub}\n", f"{h.name} {pub}\n"]
 
