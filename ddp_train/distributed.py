@@ -1,0 +1,248 @@
+"""The one place that reads torchrun's environment, starts/stops the process group and picks the device.
+
+Without RANK in the environment the trainer runs as a single process with no process group at all;
+every collective helper below is then a no-op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import inspect
+import os
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddp_train.config import ConfigError, DistConfig
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """What torchrun told this process (world_size 1 and distributed False when run alone)."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    master_addr: str | None = None
+    master_port: int | None = None
+    distributed: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """Parse RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT."""
+    env = os.environ if environ is None else environ
+    if "RANK" not in env:
+        return DistEnv()
+
+    def integer(name: str, default: int | None = None) -> int:
+        raw = env.get(name)
+        if raw is None and default is not None:
+            return default
+        try:
+            return int(raw)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise ConfigError("environment", name, f"{raw!r} is not an integer (set by torchrun)") from None
+
+    rank, world = integer("RANK"), integer("WORLD_SIZE")
+    if not 0 <= rank < world:
+        raise ConfigError("environment", "RANK", f"{rank} is outside 0..WORLD_SIZE-1 ({world - 1})")
+    port = env.get("MASTER_PORT")
+    return DistEnv(
+        rank=rank,
+        local_rank=integer("LOCAL_RANK", 0),
+        world_size=world,
+        local_world_size=integer("LOCAL_WORLD_SIZE", 1),
+        master_addr=env.get("MASTER_ADDR"),
+        master_port=int(port) if port and port.isdigit() else None,
+        distributed=True,
+    )
+
+
+def select_device(cfg: DistConfig, env: DistEnv) -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is wanted and present, else cpu."""
+    want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if not want_cuda:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("config", "dist.device", "'cuda' requested but CUDA is not available")
+    count = torch.cuda.device_count()
+    if env.local_rank >= count:
+        raise ConfigError("config", "dist.device", f"LOCAL_RANK {env.local_rank} but only {count} GPU(s)")
+    device = torch.device("cuda", env.local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def select_backend(cfg: DistConfig, device: torch.device) -> str:
+    """nccl for CUDA and gloo for CPU unless dist.backend says otherwise."""
+    if cfg.backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if cfg.backend == "nccl" and device.type != "cuda":
+        raise ConfigError("config", "dist.backend", "'nccl' needs a CUDA device (use gloo on CPU)")
+    return cfg.backend
+
+
+def init(cfg: DistConfig, env: DistEnv, device: torch.device) -> str | None:
+    """Join the process group (env:// rendezvous from torchrun); returns the backend or None alone."""
+    if not env.distributed:
+        return None
+    backend = select_backend(cfg, device)
+    kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=cfg.init_timeout_s)}
+    if backend == "nccl" and "device_id" in inspect.signature(dist.init_process_group).parameters:
+        kwargs["device_id"] = device  # eager NCCL init bound to this rank's GPU (torch >= 2.3)
+    dist.init_process_group(backend=backend, **kwargs)
+    return backend
+
+
+def shutdown() -> None:
+    """Leave the process group if one was joined (call from a `finally`)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def active() -> bool:
+    """True when this process has joined a process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op alone)."""
+    if active():
+        dist.barrier()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """In-place sum over ranks (no-op alone); returns the tensor."""
+    if active():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+# torch's *_object collectives convert through numpy, which is not a dependency here (and absent on
+# many hosts); these pickle into uint8 tensors and read them back with ctypes instead.
+
+
+def _comm_device(device: torch.device | None = None) -> torch.device:
+    if dist.get_backend() == "nccl":
+        return device if device is not None else torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _tensor_bytes(t: torch.Tensor, n: int) -> bytes:
+    t = t.cpu().contiguous()
+    return ctypes.string_at(t.data_ptr(), n) if n else b""
+
+
+def _pickle(obj: Any, device: torch.device) -> torch.Tensor:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's picklable `obj`, in rank order (a one-element list alone)."""
+    if not active():
+        return [obj]
+    device = _comm_device()
+    payload = _pickle(obj, device)
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, size)
+    longest = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    out = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(out, padded)
+    return [pickle.loads(_tensor_bytes(t, int(s.item()))) for t, s in zip(out, sizes)]  # noqa: S301
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank `src`'s picklable object on every rank (large tensors go through broadcast_state)."""
+    if not active():
+        return obj
+    device = _comm_device()
+    is_src = dist.get_rank() == src
+    payload = _pickle(obj, device) if is_src else None
+    size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src)
+    n = int(size.item())
+    buf = payload if payload is not None else torch.empty(n, dtype=torch.uint8, device=device)
+    dist.broadcast(buf, src=src)
+    return obj if is_src else pickle.loads(_tensor_bytes(buf, n))  # noqa: S301 - from our own rank 0
+
+
+class _TensorSlot:
+    """Placeholder for a tensor inside a broadcast skeleton."""
+
+    def __init__(self, index: int, tensor: torch.Tensor) -> None:
+        self.index, self.shape, self.dtype = index, tuple(tensor.shape), tensor.dtype
+
+
+def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return _TensorSlot(len(tensors) - 1, obj)
+    if isinstance(obj, dict):
+        return {k: _split(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [_split(v, tensors) for v in obj]
+        return items if isinstance(obj, list) else tuple(items)
+    return obj
+
+
+def _join(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, _TensorSlot):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return {k: _join(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [_join(v, tensors) for v in obj]
+        return items if isinstance(obj, list) else tuple(items)
+    return obj
+
+
+def broadcast_state(state: Any, device: torch.device, src: int = 0) -> Any:
+    """Send a nested state (dicts/lists of tensors and plain values) from `src` to every rank.
+
+    The structure travels pickled, the tensors one by one with dist.broadcast, so a large model state
+    never goes through pickle. Received tensors are on CPU. Lets the checkpoint live on one node only.
+    """
+    if not active():
+        return state
+    tensors: list[torch.Tensor] = []
+    skeleton = _split(state, tensors) if dist.get_rank() == src else None
+    skeleton = broadcast_object(skeleton, src)
+    if skeleton is None:
+        return None
+    slots: list[_TensorSlot] = []
+    _collect_slots(skeleton, slots)
+    comm_device = _comm_device(device)
+    received: list[torch.Tensor] = [torch.empty(0)] * len(slots)
+    for slot in sorted(slots, key=lambda s: s.index):
+        if dist.get_rank() == src:
+            buf = tensors[slot.index].detach().to(comm_device).contiguous()
+        else:
+            buf = torch.empty(slot.shape, dtype=slot.dtype, device=comm_device)
+        dist.broadcast(buf, src=src)
+        received[slot.index] = buf.cpu() if dist.get_rank() != src else tensors[slot.index]
+    return _join(skeleton, received)
+
+
+def _collect_slots(obj: Any, out: list[_TensorSlot]) -> None:
+    if isinstance(obj, _TensorSlot):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _collect_slots(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _collect_slots(v, out)

@@ -1,0 +1,120 @@
+"""Rank-0 logging, the per-run JSONL metrics file, a TTY progress bar, and MFU."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+LOG_FORMAT = "%(asctime)s ddp-train[rank {rank}] %(levelname)s %(message)s"
+
+# Dense (no sparsity) bf16 tensor-core peak per GPU, TFLOP/s, from NVIDIA's datasheets. First match of
+# the substring in torch.cuda.get_device_name() wins, so the more specific names come first.
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H200 NVL", 835.5),
+    ("H200", 989.5),
+    ("H100 NVL", 835.5),
+    ("H100 PCIe", 756.5),
+    ("H100", 989.5),
+    ("A100", 312.0),
+)
+
+
+def peak_flops(device_name: str, override_tflops: float | None = None) -> float | None:
+    """Peak FLOP/s of one device: the config override, else the bf16 table, else None (unknown)."""
+    if override_tflops is not None:
+        return override_tflops * 1e12
+    for key, tflops in PEAK_BF16_TFLOPS:
+        if key.lower() in device_name.lower():
+            return tflops * 1e12
+    return None
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_per_device: float, world_size: int) -> float:
+    """Model FLOPs utilisation: achieved training FLOP/s over the peak of all devices."""
+    return tokens_per_s * flops_per_token / (peak_per_device * world_size)
+
+
+class ProgressBar:
+    """A one-line bar redrawn in place on a TTY (no dependency); silent when disabled."""
+
+    def __init__(self, total: int, enabled: bool, stream: TextIO | None = None, width: int = 30) -> None:
+        self.total, self.enabled, self.width = total, enabled, width
+        self.stream = stream or sys.stderr
+        self._drawn = False
+
+    def update(self, step: int, text: str = "") -> None:
+        if not self.enabled:
+            return
+        done = int(self.width * step / max(1, self.total))
+        bar = "#" * done + "." * (self.width - done)
+        self.stream.write(f"\r\x1b[K[{bar}] {step}/{self.total} {text}")
+        self.stream.flush()
+        self._drawn = True
+
+    def clear(self) -> None:
+        if self.enabled and self._drawn:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self._drawn = False
+
+    def close(self) -> None:
+        if self.enabled and self._drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._drawn = False
+
+
+class _BarAwareHandler(logging.StreamHandler):
+    """Clears the progress bar before a log line so the two never share a line."""
+
+    bar: ProgressBar | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.bar is not None:
+            self.bar.clear()
+        super().emit(record)
+
+
+def setup_logging(rank: int, level: str = "info") -> logging.Logger:
+    """The `ddp_train` logger: `level` on rank 0, warnings and errors only elsewhere, one format."""
+    logger = logging.getLogger("ddp_train")
+    for h in list(logger.handlers):
+        if isinstance(h, _BarAwareHandler):
+            logger.removeHandler(h)
+    handler = _BarAwareHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT.format(rank=rank), datefmt="%H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(getattr(logging, level.upper()) if rank == 0 else logging.WARNING)
+    logger.propagate = False
+    return logger
+
+
+def attach_progress_bar(logger: logging.Logger, bar: ProgressBar) -> None:
+    """Let log lines clear `bar` first."""
+    for h in logger.handlers:
+        if isinstance(h, _BarAwareHandler):
+            h.bar = bar
+
+
+class JsonlWriter:
+    """Appends one JSON object per line to a run's metrics file, flushed after every record."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._f: TextIO | None = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the whole run
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._f is not None:
+            self._f.write(json.dumps(record, sort_keys=False) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None

@@ -1,0 +1,380 @@
+"""The DDP training loop: setup (model, data, optimizer, resume), steps, checkpoints, final check."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import random
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_train import checkpoint, distributed, exitcodes
+from ddp_train.config import Config, ConfigError, dump_yaml
+from ddp_train.data import ShardedBatches, build_dataset
+from ddp_train.distributed import DistEnv
+from ddp_train.metrics import JsonlWriter, ProgressBar, attach_progress_bar, mfu, peak_flops, setup_logging
+from ddp_train.models import build_model, flops_per_token
+from ddp_train.optim import build_optimizer, build_scheduler
+
+log = logging.getLogger("ddp_train")
+_AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def params_sha256(model: nn.Module) -> str:
+    """sha256 (hex) over the raw float32 bytes of all parameters, in named_parameters order."""
+    h = hashlib.sha256()
+    for _, p in model.named_parameters():
+        t = p.detach().to("cpu", torch.float32).contiguous()
+        if t.numel():
+            h.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
+    return h.hexdigest()
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This process's torch, CUDA and python RNG states."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate()}
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    """Restore what rng_state returned."""
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and state.get("cuda") is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+    random.setstate(state["python"])
+
+
+class StopRequest:
+    """Records SIGTERM instead of dying, so the loop can finish the step and save first."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: Any = None
+
+    def install(self) -> None:
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        self.signum = signum
+        signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM kills at once
+
+
+class _Window:
+    """Throughput over the steps since the last log line."""
+
+    def __init__(self) -> None:
+        self.seconds, self.tokens, self.steps = 0.0, 0, 0
+
+    def add(self, seconds: float, tokens: int) -> None:
+        self.seconds, self.tokens, self.steps = self.seconds + seconds, self.tokens + tokens, self.steps + 1
+
+
+class Trainer:
+    """One rank's training job; `fit()` returns the process exit code."""
+
+    def __init__(
+        self, cfg: Config, env: DistEnv, device: torch.device, stop: StopRequest | None = None
+    ) -> None:
+        self.cfg, self.env, self.device = cfg, env, device
+        self.stop = stop or StopRequest()
+        self.step, self.last_loss, self.saved_step = 0, float("nan"), -1
+        t = cfg.train
+        if t.precision == "fp16" and device.type != "cuda":
+            raise ConfigError("config", "train.precision", "'fp16' needs CUDA (use bf16 or fp32 on CPU)")
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+        self.model = build_model(cfg).to(device)
+        self.optimizer = build_optimizer(self.model, t, device)
+        self.scheduler = build_scheduler(self.optimizer, t)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
+        self.autocast = (
+            torch.autocast(device.type, dtype=_AMP_DTYPES[t.precision])
+            if t.precision in _AMP_DTYPES
+            else contextlib.nullcontext()
+        )
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        index_log = cfg.run_dir / f"indices-rank{env.rank}.jsonl" if cfg.debug.dump_indices else None
+        self.batches = ShardedBatches(
+            build_dataset(cfg),
+            t.batch_size,
+            env.rank,
+            env.world_size,
+            cfg.seed,
+            num_workers=cfg.data.num_workers,
+            pin_memory=device.type == "cuda",
+            index_log=index_log,
+        )
+        if not self._resume():
+            torch.manual_seed(cfg.seed + env.rank)
+            random.seed(cfg.seed + env.rank)
+        net: nn.Module = torch.compile(self.model) if t.compile else self.model  # raw module stays self.model
+        self.ddp: nn.Module = net
+        if env.distributed:
+            ids = [device.index] if device.type == "cuda" else None
+            self.ddp = DDP(net, device_ids=ids, gradient_as_bucket_view=True)
+        self.flops_per_token = flops_per_token(self.model)
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+        self.peak = peak_flops(name, cfg.log.peak_tflops) if device.type == "cuda" else None
+
+    # --- resume / save ----------------------------------------------------------------------------
+
+    def _resume(self) -> bool:
+        """Rank 0 finds the newest valid checkpoint and sends it to all ranks (no shared disk needed)."""
+        if self.cfg.checkpoint.resume == "never":
+            return False
+        header: dict[str, Any] | None = None
+        found = None
+        if self.env.is_main:
+            directory = self.cfg.checkpoint_dir
+            for tmp in checkpoint.remove_stale_temps(directory):
+                log.warning("removed %s left by an interrupted save", tmp.name)
+            try:
+                found = checkpoint.load_latest(directory)
+                header = {"path": str(found[1])} if found else {"path": None}
+            except ConfigError as exc:
+                header = {"error": [exc.source, exc.field, exc.message]}
+        header = distributed.broadcast_object(header)
+        if header and "error" in header:
+            raise ConfigError(*header["error"])
+        if not header or header["path"] is None:
+            return False
+        state = distributed.broadcast_state(found[0] if found else None, self.device)
+        self._apply(state, header["path"])
+        log.info("resumed from %s at step %d", header["path"], self.step)
+        return True
+
+    def _apply(self, state: dict[str, Any], path: str) -> None:
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise checkpoint.CheckpointError(path, f"does not fit this model/optimizer: {first}") from None
+        self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("scaler") and self.scaler.is_enabled():
+            self.scaler.load_state_dict(state["scaler"])
+        self.batches.load_state_dict(state["data"])
+        self.step = self.saved_step = int(state["step"])
+        self.last_loss = float(state.get("loss", float("nan")))
+        rngs = state["rng"]
+        if state.get("world_size") != self.env.world_size:
+            log.warning(
+                "checkpoint world size %s, now %d: data order and RNG streams differ from an "
+                "uninterrupted run",
+                state.get("world_size"),
+                self.env.world_size,
+            )
+        if self.env.rank < len(rngs):
+            set_rng_state(rngs[self.env.rank], self.device)
+        else:
+            torch.manual_seed(self.cfg.seed + self.env.rank + self.step)
+            random.seed(self.cfg.seed + self.env.rank + self.step)
+
+    def save(self) -> None:
+        """Gather every rank's RNG state; rank 0 writes the checkpoint atomically; all wait for it."""
+        rngs = distributed.all_gather_objects(rng_state(self.device))
+        if self.env.is_main:
+            state = {
+                "format": checkpoint.FORMAT,
+                "step": self.step,
+                "loss": self.last_loss,
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+                "data": self.batches.state_dict(),
+                "rng": rngs,
+                "world_size": self.env.world_size,
+                "config": self.cfg.to_dict(),
+                "torch_version": str(torch.__version__),
+            }
+            directory = self.cfg.checkpoint_dir
+            path = checkpoint.save(state, directory, self.step, self.cfg.debug.save_delay_s)
+            pruned = checkpoint.prune(directory, self.cfg.checkpoint.keep_latest_k)
+            log.info("saved %s%s", path, f" (deleted {len(pruned)} older)" if pruned else "")
+        self.saved_step = self.step
+        distributed.barrier()
+
+    # --- training ---------------------------------------------------------------------------------
+
+    def _micro_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self.batches.next()
+        if not (isinstance(batch, (list, tuple)) and len(batch) == 2):
+            raise ConfigError("config", "data", "dataset items must be (inputs, targets) pairs")
+        x, y = batch
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """One optimizer step over grad_accum_steps micro-batches; (local loss, grad norm, tokens)."""
+        t = self.cfg.train
+        self.ddp.train()
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = 0
+        for micro in range(t.grad_accum_steps):
+            x, y = self._micro_batch()
+            last = micro == t.grad_accum_steps - 1
+            sync = contextlib.nullcontext() if last or not isinstance(self.ddp, DDP) else self.ddp.no_sync()
+            with sync:
+                with self.autocast:
+                    loss = self.ddp(x, y)
+                if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+                    raise ConfigError("config", "model", "forward(inputs, targets) must return a scalar loss")
+                self.scaler.scale(loss / t.grad_accum_steps).backward()
+            loss_sum += loss.detach().float() / t.grad_accum_steps
+            tokens += y.numel()
+        gnorm = torch.zeros((), device=self.device)
+        if t.grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)
+            gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip).float()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return loss_sum, gnorm, tokens
+
+    def fit(self) -> int:
+        """Train to max_steps (or until SIGTERM), checkpointing; print the final line; exit code."""
+        cfg, env = self.cfg, self.env
+        total = cfg.train.max_steps
+        show_bar = cfg.log.progress == "always" or (cfg.log.progress == "auto" and sys.stderr.isatty())
+        bar = ProgressBar(total, show_bar and env.is_main)
+        attach_progress_bar(log, bar)
+        writer = JsonlWriter(cfg.run_dir / "metrics.jsonl" if env.is_main and cfg.log.jsonl else None)
+        if env.is_main:
+            (cfg.run_dir / "config.yaml").write_text(dump_yaml(cfg), encoding="utf-8")
+            log.info(
+                "world=%d device=%s backend=%s model=%s params=%d flops/token=%.3g step=%d/%d "
+                "batches/epoch/rank=%d",
+                env.world_size,
+                self.device,
+                torch.distributed.get_backend() if distributed.active() else "none",
+                cfg.model.name,
+                sum(p.numel() for p in self.model.parameters()),
+                self.flops_per_token,
+                self.step,
+                total,
+                self.batches.batches_per_epoch,
+            )
+        stopped = False
+        window = _Window()
+        try:
+            while self.step < total:
+                lr = self.optimizer.param_groups[0]["lr"]
+                t0 = time.perf_counter()
+                loss, gnorm, tokens = self.train_step()
+                flag = torch.tensor(float(self.stop.signum is not None), device=self.device)
+                # One small all-reduce per step: mean loss for the log and the stop vote (a SIGTERM on
+                # any rank stops every rank after the same step, so they all save and exit together).
+                loss_v, gnorm_v, stop_v = distributed.all_reduce_sum(
+                    torch.stack([loss, gnorm, flag])
+                ).tolist()
+                self.step += 1
+                self.last_loss = loss_v / env.world_size
+                window.add(time.perf_counter() - t0, tokens * env.world_size)
+                bar.update(self.step, f"loss {self.last_loss:.4f}")
+                stopped = stop_v > 0
+                if self.step % cfg.log.interval_steps == 0 or self.step == total or stopped:
+                    self._log_step(writer, window, lr, gnorm_v / env.world_size)
+                    window = _Window()
+                if stopped:
+                    break
+                interval = cfg.checkpoint.interval_steps
+                if interval and self.step % interval == 0 and self.step < total:
+                    self.save()
+                if cfg.debug.step_delay_s:
+                    time.sleep(cfg.debug.step_delay_s)
+            bar.close()
+            if self.saved_step != self.step:
+                self.save()
+        finally:
+            bar.close()
+            writer.close()
+        if stopped:
+            log.warning(
+                "stopped by SIGTERM after step %d, checkpoint saved; exit %d", self.step, exitcodes.SIGTERM
+            )
+            print(
+                f"ddp-train: stopped rank={env.rank} world={env.world_size} step={self.step} signal=SIGTERM",
+                flush=True,
+            )
+            return exitcodes.SIGTERM
+        return self._final_check()
+
+    def _log_step(self, writer: JsonlWriter, window: _Window, lr: float, grad_norm: float) -> None:
+        cfg, world = self.cfg, self.env.world_size
+        tok_s = window.tokens / window.seconds
+        samples = window.steps * cfg.train.batch_size * cfg.train.grad_accum_steps * world
+        record: dict[str, Any] = {
+            "step": self.step,
+            "epoch": self.batches.epoch,
+            "loss": round(self.last_loss, 6),
+            "lr": lr,
+            "grad_norm": round(grad_norm, 6) if cfg.train.grad_clip > 0 else None,
+            "samples_per_s": round(samples / window.seconds, 3),
+            "tokens_per_s": round(tok_s, 3),
+            "step_time_s": round(window.seconds / window.steps, 6),
+        }
+        if self.peak:
+            record["mfu"] = round(mfu(tok_s, self.flops_per_token, self.peak, world), 5)
+        writer.write(record)
+        log.info(
+            "step %d/%d loss %.4f lr %.3g %.0f tok/s %.3f s/step%s",
+            self.step,
+            cfg.train.max_steps,
+            self.last_loss,
+            lr,
+            tok_s,
+            record["step_time_s"],
+            f" mfu {record['mfu']:.1%}" if "mfu" in record else "",
+        )
+
+    def _final_check(self) -> int:
+        digest = params_sha256(self.model)
+        digests = distributed.all_gather_objects(digest)
+        env = self.env
+        print(
+            f"ddp-train: final rank={env.rank} world={env.world_size} step={self.step} "
+            f"loss={self.last_loss:.6f} params_sha256={digest[:16]}",
+            flush=True,
+        )
+        if len(set(digests)) != 1:
+            log.error("ranks ended with different parameters: %s", ", ".join(d[:16] for d in digests))
+            return exitcodes.RANKS_DIFFER
+        return exitcodes.OK
+
+
+def run(cfg: Config, source: str = "config") -> int:
+    """Run one rank (alone or under torchrun): set up the process group, train, tear it down."""
+    stop = StopRequest()
+    stop.install()  # from here on SIGTERM means "finish the step, save, exit 143"
+    try:
+        env = distributed.read_env()
+        setup_logging(env.rank, cfg.log.level)
+        device = distributed.select_device(cfg.dist, env)
+        distributed.init(cfg.dist, env, device)
+        code = Trainer(cfg, env, device, stop).fit()
+        distributed.barrier()  # no rank tears down its connections while a peer still uses them
+        return code
+    except ConfigError as exc:
+        if exc.source == "config":
+            exc = ConfigError(source, exc.field, exc.message)
+        print(f"ddp-train: error: {exc}", file=sys.stderr, flush=True)
+        return exitcodes.BAD_INPUT
+    finally:
+        distributed.shutdown()
+        stop.restore()
