@@ -1,0 +1,404 @@
+"""Read the nodes of a job from an Ansible inventory with Ansible's own inventory and variable API.
+
+`ansible_host`, `ansible_user`, `ansible_port`, `ansible_ssh_private_key_file`, group_vars/host_vars and
+`{{ templates }}` mean exactly what they mean to ansible-playbook; the `ddp_*` variables are the ones
+the roles use (one source of truth).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import shlex
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ddp_train.launch.errors import LaunchError, one_line
+
+DEFAULT_GROUP = "gpu_nodes"
+DEFAULT_MASTER_PORT = 29500
+DEFAULT_REMOTE_VENV = "/opt/ddp-train/venv"  # the pytorch role's default ddp_venv
+NPROC_WORDS = ("gpu", "cpu", "auto")
+SSH_CONNECTIONS = (
+    "ssh",
+    "smart",
+    "paramiko",
+    "paramiko_ssh",
+    "ansible.builtin.ssh",
+    "ansible.builtin.paramiko_ssh",
+)
+LOCAL_CONNECTIONS = ("local", "ansible.builtin.local")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class SshTarget:
+    """How to reach a node over SSH, as ansible-playbook would."""
+
+    host: str
+    port: int = 22
+    user: str | None = None
+    key_files: tuple[str, ...] = ()
+    password: str | None = dataclasses.field(default=None, repr=False)
+    known_hosts_files: tuple[str, ...] = ()
+    host_key_alias: str | None = None
+    proxy_command: str | None = None
+    proxy_jump: str | None = None
+
+    def describe(self) -> str:
+        user = f"{self.user}@" if self.user else ""
+        return f"{user}{self.host}:{self.port}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """One inventory host that runs a torchrun agent."""
+
+    name: str
+    address: str  # ansible_host (or the inventory name), as written
+    local: bool  # ansible_connection: local -> run without SSH
+    ssh: SshTarget | None
+    venv: str
+    workdir: str | None
+    nproc: str
+    master_port: int
+    env: Mapping[str, str]
+    master: str | None = None  # ddp_master
+    master_addr: str | None = None  # ddp_master_addr
+    network_cidr: str | None = None
+
+    @property
+    def where(self) -> str:
+        return "local" if self.local or self.ssh is None else self.ssh.describe()
+
+
+# ---- loading ------------------------------------------------------------------------------------
+
+
+def load_nodes(
+    sources: Sequence[str],
+    group: str | None = None,
+    limit: str | None = None,
+    exclude: Sequence[str] = (),
+    extra_vars: Sequence[str] = (),
+) -> list[Node]:
+    """Parse the inventory sources and return the selected nodes in declared order."""
+    for src in sources:
+        if "," not in src and not Path(src).exists():
+            raise LaunchError(f"inventory {src}: no such file or directory")
+    os.environ.setdefault("ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED", "true")
+    os.environ.setdefault("ANSIBLE_LOCALHOST_WARNING", "false")
+    with _quiet_ansible() as notes:
+        from ansible.errors import AnsibleError
+        from ansible.inventory.manager import InventoryManager
+        from ansible.parsing.dataloader import DataLoader
+        from ansible.vars.manager import VariableManager
+
+        loader = DataLoader()
+        where = ", ".join(sources)
+        try:
+            inventory = InventoryManager(loader=loader, sources=list(sources))
+        except AnsibleError as e:
+            raise LaunchError(f"inventory {where}: {_parse_failure(notes, e)}") from None
+        extra = _load_extra_vars(loader, extra_vars)
+        variables = VariableManager(loader=loader, inventory=inventory)
+        hosts = _select_hosts(inventory, where, group, limit, exclude, notes)
+        return [_node(loader, variables, h, extra, where) for h in hosts]
+
+
+@contextlib.contextmanager
+def _quiet_ansible() -> Iterator[list[str]]:
+    """Collect Ansible's warnings instead of printing them; they are reported only if useful."""
+    from ansible.utils.display import Display
+
+    display = Display()
+    notes: list[str] = []
+    saved = {
+        name: getattr(display, name) for name in ("warning", "error_as_warning", "deprecated", "display")
+    }
+
+    def error_as_warning(msg: str, exception: BaseException | None = None, *a: Any, **k: Any) -> None:
+        notes.append(f"{msg} {exception}" if exception is not None else msg)
+
+    display.warning = lambda msg, *a, **k: notes.append(str(msg))
+    display.error_as_warning = error_as_warning
+    display.deprecated = lambda *a, **k: None
+    display.display = lambda *a, **k: None
+    try:
+        yield notes
+    finally:
+        for name, fn in saved.items():
+            setattr(display, name, fn)
+
+
+def _parse_failure(notes: list[str], err: Exception) -> str:
+    # Ansible tries every plugin; the yaml/ini plugin's complaint is the one a user needs.
+    for plugin in ("'yaml' plugin", "'ini' plugin"):
+        for note in notes:
+            if plugin in note:
+                return one_line(note.split("plugin.", 1)[-1])
+    return one_line(notes[-1] if notes else str(err))
+
+
+def _load_extra_vars(loader: Any, items: Sequence[str]) -> dict[str, Any]:
+    """`-e` like ansible-playbook: key=value pairs, a JSON/YAML mapping, or @file."""
+    from ansible.errors import AnsibleError
+    from ansible.parsing.splitter import parse_kv
+    from ansible.template import trust_as_template
+
+    merged: dict[str, Any] = {}
+    for item in items:
+        try:
+            if item.startswith("@"):
+                data = loader.load_from_file(item[1:], trusted_as_template=True)
+            elif item[:1] in ("{", "["):
+                data = loader.load(trust_as_template(item))
+            else:
+                data = {k: trust_as_template(v) for k, v in parse_kv(item).items()}
+        except AnsibleError as e:
+            raise LaunchError(f"--extra-vars {item!r}: {one_line(str(e))}") from None
+        if not isinstance(data, Mapping):
+            raise LaunchError(f"--extra-vars {item!r}: must be key=value, a mapping, or @file")
+        merged.update(data)
+    return merged
+
+
+def _select_hosts(
+    inventory: Any, where: str, group: str | None, limit: str | None, exclude: Sequence[str], notes: list[str]
+) -> list[Any]:
+    from ansible.inventory.manager import split_host_pattern
+
+    groups = inventory.groups
+    if group is None:
+        group = DEFAULT_GROUP if DEFAULT_GROUP in groups and groups[DEFAULT_GROUP].get_hosts() else "all"
+    elif group not in groups:
+        raise LaunchError(f"inventory {where}: no group {group!r} (groups: {', '.join(sorted(groups))})")
+    pattern = [group] + [f"!{p}" for e in exclude for p in split_host_pattern(e)]
+    if limit:
+        inventory.subset(limit)
+    hosts = inventory.get_hosts(pattern)
+    if not hosts:
+        why = f" matching --limit {limit!r}" if limit else ""
+        why += f" after --exclude {', '.join(exclude)}" if exclude else ""
+        hint = f" ({one_line('; '.join(notes))})" if notes else ""
+        raise LaunchError(f"inventory {where}: no hosts in group {group!r}{why}{hint}")
+    return hosts
+
+
+# ---- one host's variables -----------------------------------------------------------------------
+
+
+class _Vars:
+    """A host's variables, templated on access, with the file and line of each for error messages."""
+
+    def __init__(self, loader: Any, variables: Any, host: Any, extra: Mapping[str, Any], where: str) -> None:
+        from ansible.template import Templar
+        from ansible.utils.vars import combine_vars
+
+        self.host = host.name
+        self.where = where
+        self.raw = combine_vars(variables.get_vars(host=host), extra)
+        self.templar = Templar(loader=loader, variables=self.raw)
+
+    def origin(self, key: str) -> str:
+        try:
+            from ansible._internal._datatag._tags import Origin
+
+            tag = Origin.get_tag(self.raw.get(key))
+        except ImportError:  # ansible-core < 2.19 has no origin tags
+            tag = None
+        if tag is not None and getattr(tag, "path", None):
+            return f"{tag.path}:{tag.line_num}" if getattr(tag, "line_num", None) else str(tag.path)
+        return f"inventory {self.where}"
+
+    def error(self, key: str, message: str) -> LaunchError:
+        return LaunchError(f"{self.origin(key)}: host {self.host}: {key}: {message}")
+
+    def get(self, *keys: str, default: Any = None) -> Any:
+        """The first of `keys` that is set, templated and converted to plain Python types."""
+        from ansible.errors import AnsibleError
+
+        for key in keys:
+            if key in self.raw and self.raw[key] is not None:
+                try:
+                    return _plain(self.templar.template(self.raw[key]))
+                except AnsibleError as e:
+                    raise self.error(key, one_line(getattr(e, "message", None) or str(e))) from None
+        return default
+
+    def text(self, *keys: str, default: str | None = None) -> str | None:
+        value = self.get(*keys)
+        if value is None:
+            return default
+        if isinstance(value, (dict, list)) or value == "":
+            raise self.error(self._first(keys), f"expected a non-empty string, got {_short(value)}")
+        text = str(value)
+        if "\x00" in text or "\n" in text:
+            raise self.error(self._first(keys), "must not contain newlines or NUL bytes")
+        return text
+
+    def port(self, *keys: str, default: int) -> int:
+        value = self.get(*keys)
+        if value is None:
+            return default
+        try:
+            port = int(str(value), 10)
+        except ValueError:
+            port = -1
+        if isinstance(value, bool) or not 1 <= port <= 65535:
+            raise self.error(self._first(keys), f"{_short(value)} is not a TCP port (1-65535)")
+        return port
+
+    def _first(self, keys: Sequence[str]) -> str:
+        return next((k for k in keys if self.raw.get(k) is not None), keys[0])
+
+
+def _plain(value: Any) -> Any:
+    """Strip Ansible's tagged types so the rest of the launcher sees plain dict/list/str/int."""
+    if value is None or isinstance(value, bool):
+        return value if value is None else bool(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return str(value)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _node(loader: Any, variables: Any, host: Any, extra: Mapping[str, Any], where: str) -> Node:
+    v = _Vars(loader, variables, host, extra, where)
+    connection = v.text("ansible_connection", default="ssh")
+    if connection in LOCAL_CONNECTIONS:
+        local = True
+    elif connection in SSH_CONNECTIONS:
+        local = False
+    else:
+        raise v.error(
+            "ansible_connection", f"{connection!r} is not supported by ddp-launch (use ssh or local)"
+        )
+
+    address = v.text("ansible_host", "ansible_ssh_host", default=None) or (
+        "127.0.0.1" if local else host.name
+    )
+    ssh = None if local else _ssh_target(v, address)
+    venv = v.text("ddp_venv", default=sys.prefix if local else DEFAULT_REMOTE_VENV)
+    workdir = v.text("ddp_workdir", default=os.getcwd() if local else None)
+    return Node(
+        name=host.name,
+        address=address,
+        local=local,
+        ssh=ssh,
+        venv=str(venv),
+        workdir=workdir,
+        nproc=_nproc(v),
+        master_port=v.port("ddp_master_port", default=DEFAULT_MASTER_PORT),
+        env=_env(v),
+        master=v.text("ddp_master"),
+        master_addr=v.text("ddp_master_addr"),
+        network_cidr=v.text("ddp_network_cidr"),
+    )
+
+
+def _nproc(v: _Vars) -> str:
+    value = v.get("ddp_nproc_per_node", default=1)
+    if isinstance(value, str) and value in NPROC_WORDS:
+        return value
+    try:
+        n = int(str(value), 10)
+    except ValueError:
+        n = 0
+    if isinstance(value, bool) or n < 1:
+        raise v.error(
+            "ddp_nproc_per_node", f"{_short(value)} is not a positive integer or one of {NPROC_WORDS}"
+        )
+    return str(n)
+
+
+def _env(v: _Vars) -> dict[str, str]:
+    value = v.get("ddp_env", default={})
+    if not isinstance(value, dict):
+        raise v.error("ddp_env", f"expected a mapping of environment variables, got {_short(value)}")
+    env: dict[str, str] = {}
+    for key, val in value.items():
+        if not ENV_NAME.match(key):
+            raise v.error("ddp_env", f"{key!r} is not a valid environment variable name")
+        if isinstance(val, (dict, list)) or val is None:
+            raise v.error("ddp_env", f"{key}: expected a string or number, got {_short(val)}")
+        text = str(val).lower() if isinstance(val, bool) else str(val)
+        if "\x00" in text:
+            raise v.error("ddp_env", f"{key}: value must not contain NUL bytes")
+        env[key] = text
+    return env
+
+
+def _ssh_target(v: _Vars, address: str) -> SshTarget:
+    opts = parse_ssh_args(
+        " ".join(filter(None, [v.text("ansible_ssh_common_args"), v.text("ansible_ssh_extra_args")]))
+    )
+    default_port = int(opts["port"][0]) if opts.get("port", [""])[0].isdigit() else 22
+    keys = v.get("ansible_ssh_private_key_file", "ansible_private_key_file")
+    key_files = [str(keys)] if keys else []
+    key_files += opts.get("identityfile", [])
+    known = [
+        f
+        for value in opts.get("userknownhostsfile", []) + opts.get("globalknownhostsfile", [])
+        for f in value.split()
+    ]
+    extra_known = v.get("ddp_known_hosts_file")
+    if extra_known:
+        known += [str(x) for x in extra_known] if isinstance(extra_known, list) else [str(extra_known)]
+    return SshTarget(
+        host=address,
+        port=v.port("ansible_port", "ansible_ssh_port", default=default_port),
+        user=v.text("ansible_user", "ansible_ssh_user", default=(opts.get("user") or [None])[0]),
+        key_files=tuple(os.path.expanduser(k) for k in key_files),
+        password=v.text("ansible_password", "ansible_ssh_pass", "ansible_ssh_password"),
+        known_hosts_files=tuple(os.path.expanduser(k) for k in known if k.lower() != "/dev/null"),
+        host_key_alias=(opts.get("hostkeyalias") or [None])[0],
+        proxy_command=(opts.get("proxycommand") or [None])[0],
+        proxy_jump=(opts.get("proxyjump") or [None])[0],
+    )
+
+
+_SSH_FLAG_OPTION = {"-J": "proxyjump", "-i": "identityfile", "-p": "port", "-l": "user"}
+
+
+def parse_ssh_args(text: str) -> dict[str, list[str]]:
+    """The `-o Key=Value` (and -J/-i/-p/-l) options of an OpenSSH argument string, keys lowercased."""
+    try:
+        args = shlex.split(text)
+    except ValueError as e:
+        raise LaunchError(f"ansible_ssh_common_args/extra_args {text!r}: {e}") from None
+    opts: dict[str, list[str]] = {}
+    i = 0
+    while i < len(args):
+        arg, value = args[i], None
+        if arg in ("-o", *_SSH_FLAG_OPTION) and i + 1 < len(args):
+            value, i = args[i + 1], i + 2
+        elif arg[:2] in ("-o", *_SSH_FLAG_OPTION) and len(arg) > 2:
+            value, i = arg[2:], i + 1
+        else:
+            i += 1
+            continue
+        if arg[:2] == "-o":
+            key, sep, val = value.partition("=")
+            if not sep:
+                key, _, val = value.partition(" ")
+            opts.setdefault(key.strip().lower(), []).append(val.strip())
+        else:
+            opts.setdefault(_SSH_FLAG_OPTION[arg[:2]], []).append(value)
+    return opts

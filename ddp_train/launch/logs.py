@@ -1,0 +1,135 @@
+"""Job logs: every node line live on the console as `[host r<i>] line`, and in logs/<job>/<host>.log.
+
+The launcher's own messages go to the console and logs/<job>/launcher.log. Secret values (env vars
+named like TOKEN/KEY/SECRET/PASSWORD) are masked everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from ddp_train.launch.plan import mask_text
+
+# Lines that tell why a node failed, best first: a signal that killed a worker (torchrun's root cause),
+# an exception or error message of the trainer, torchrun's exit code report, then anything error-like.
+_RANKED = (
+    re.compile(r"Signal \d+ \(SIG\w+\) received by PID \d+"),
+    re.compile(
+        r"(?<![\w.])(?:\w+\.)*(?!ChildFailedError|SignalException)\w*(Error|Exception): \S|"
+        r"ddp-train: error|^error: "
+    ),
+    re.compile(r"exitcode\s*:\s*-?[1-9]"),
+    re.compile(
+        r"\b(FATAL|Fatal|fatal|Killed|Segmentation fault|No such file or directory|Permission denied|"
+        r"command not found)\b|\b\w*(Error|Exception)\b"
+    ),
+)
+_NOISE = re.compile(r"^\s*(Traceback \(most recent call last\)|File \"|raise |\^+$|warnings\.warn)|Warning:")
+
+
+def first_error(lines: Sequence[str]) -> str | None:
+    """The line of a node's output that best explains its failure, or None."""
+    useful = [ln.strip() for ln in lines if ln.strip() and not _NOISE.search(ln)]
+    for pattern in _RANKED:
+        for ln in useful:
+            if pattern.search(ln):
+                return ln
+    return None
+
+
+class JobLog:
+    """Console + per-host files for one job; thread-safe."""
+
+    def __init__(
+        self,
+        log_dir: Path,
+        job_id: str,
+        secrets: Sequence[str] = (),
+        console: IO[str] | None = None,
+        quiet: bool = False,
+    ) -> None:
+        self.dir = Path(log_dir) / job_id
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.secrets = list(secrets)
+        self.console = console or sys.stdout
+        self.quiet = quiet
+        self._lock = threading.Lock()
+        self._files: dict[str, IO[str]] = {}
+        self._tail: dict[str, list[str]] = {}
+        self._launcher = open(self.dir / "launcher.log", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def path(self, host: str) -> Path:
+        return self.dir / f"{host}.log"
+
+    def line(self, host: str, label: str, text: str) -> None:
+        """One output line of a node."""
+        text = mask_text(text, self.secrets)
+        shown = f"[{label}] {text}"
+        with self._lock:
+            f = self._files.get(host)
+            if f is None:
+                f = self._files[host] = open(self.path(host), "a", encoding="utf-8")  # noqa: SIM115
+            f.write(f"{_stamp()} {shown}\n")
+            f.flush()
+            tail = self._tail.setdefault(host, [])
+            tail.append(text)
+            if len(tail) > 400:
+                del tail[:200]
+            if not self.quiet:
+                self.console.write(shown + "\n")
+                self.console.flush()
+
+    def tail(self, host: str) -> list[str]:
+        with self._lock:
+            return list(self._tail.get(host, []))
+
+    def note(self, text: str, console: bool = True) -> None:
+        """A launcher message."""
+        text = mask_text(text, self.secrets)
+        with self._lock:
+            self._launcher.write(f"{_stamp()} {text}\n")
+            self._launcher.flush()
+            if console:
+                self.console.write(f"ddp-launch: {text}\n")
+                self.console.flush()
+
+    def block(self, text: str) -> None:
+        """A multi-line block (a table) for console and launcher.log."""
+        text = mask_text(text, self.secrets)
+        with self._lock:
+            self._launcher.write(text + "\n")
+            self._launcher.flush()
+            self.console.write(text + "\n")
+            self.console.flush()
+
+    def write_json(self, name: str, data: Any) -> Path:
+        path = self.dir / name
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(mask_text(json.dumps(data, indent=2, sort_keys=True), self.secrets) + "\n")
+        tmp.replace(path)
+        return path
+
+    def close(self) -> None:
+        with self._lock:
+            for f in self._files.values():
+                f.close()
+            self._launcher.close()
+
+
+def _stamp() -> str:
+    t = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t)) + f".{int(t % 1 * 1000):03d}"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain left-aligned text table."""
+    cells = [[str(h) for h in headers]] + [["-" if c is None or c == "" else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)

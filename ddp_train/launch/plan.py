@@ -1,0 +1,229 @@
+"""The job plan: which node is master, each node's rank, env and the exact torchrun command it runs.
+
+Every remote command is built only from shlex-quoted parts, so inventory values, env values and
+trainer arguments reach the trainer verbatim and are never interpreted by a shell.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import re
+import secrets
+import shlex
+import socket
+import time
+from collections.abc import Mapping, Sequence
+
+from ddp_train.launch.errors import LaunchError
+from ddp_train.launch.inventory import Node
+
+PGID_MARKER = "DDP-LAUNCH-PGID"
+SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
+JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+MASK = "***"
+DEBUG_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET", "TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+CONFIG_DIR = ".ddp-launch"  # per-job copies of --config on remote nodes, under the workdir
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What the command line adds to the inventory."""
+
+    job_id: str | None = None
+    nproc_per_node: str | None = None
+    master_port: int | None = None
+    max_restarts: int | None = None
+    config: str | None = None  # local path; shipped to remote nodes
+    overrides: Sequence[str] = ()
+    trainer_args: Sequence[str] = ()
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    debug: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class NodePlan:
+    """One node's part of the job."""
+
+    node: Node
+    rank: int
+    env: Mapping[str, str]
+    argv: tuple[str, ...]  # torchrun and its arguments
+    config_path: str | None  # where --config lives on this node
+
+    @property
+    def label(self) -> str:
+        return f"{self.node.name} r{self.rank}"
+
+
+@dataclasses.dataclass(frozen=True)
+class JobPlan:
+    """The whole job: every node's plan, master address and port."""
+
+    job_id: str
+    nodes: tuple[NodePlan, ...]
+    master_addr: str
+    master_port: int
+    config: str | None
+
+    @property
+    def master(self) -> NodePlan:
+        return self.nodes[0]
+
+    @property
+    def all_local(self) -> bool:
+        return all(p.node.local for p in self.nodes)
+
+    def secrets(self) -> list[str]:
+        """Values that must never be printed: env values whose name looks like a secret."""
+        found = {v for p in self.nodes for k, v in p.env.items() if SECRET_NAME.search(k) and v}
+        for p in self.nodes:
+            for arg in p.argv:
+                key, sep, value = arg.partition("=")
+                if sep and value and SECRET_NAME.search(key):
+                    found.add(value)
+        return sorted(found, key=len, reverse=True)
+
+
+def new_job_id() -> str:
+    """A job id unique enough to tag processes: ddp-YYYYmmdd-HHMMSS-<6 hex>."""
+    return time.strftime("ddp-%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+
+
+def build_plan(nodes: Sequence[Node], options: Options) -> JobPlan:
+    """Order the nodes (master first), pick MASTER_ADDR/PORT and build each node's command."""
+    if not nodes:
+        raise LaunchError("no nodes selected")
+    job_id = options.job_id or new_job_id()
+    if not JOB_ID.match(job_id):
+        raise LaunchError(f"--job-id {job_id!r}: use letters, digits, '.', '_' or '-' (max 64)")
+    master_name = _same(nodes, "ddp_master", lambda n: n.master)
+    ordered = list(nodes)
+    if master_name is not None:
+        names = [n.name for n in nodes]
+        if master_name not in names:
+            raise LaunchError(
+                f"ddp_master {master_name!r} is not one of the selected nodes ({', '.join(names)})"
+            )
+        ordered.sort(key=lambda n: n.name != master_name)  # stable: the others keep their order
+    names = [n.name for n in ordered]
+    if len(set(names)) != len(names):
+        raise LaunchError(f"a host is listed twice: {', '.join(names)}")
+    master = ordered[0]
+    port = options.master_port or _same(nodes, "ddp_master_port", lambda n: n.master_port)
+    explicit = _same(nodes, "ddp_master_addr", lambda n: n.master_addr)
+    addr = master_address(master, explicit, all_local=all(n.local for n in ordered))
+    plans = tuple(
+        _node_plan(node, rank, len(ordered), addr, port, job_id, options) for rank, node in enumerate(ordered)
+    )
+    return JobPlan(job_id=job_id, nodes=plans, master_addr=addr, master_port=port, config=options.config)
+
+
+def _same(nodes: Sequence[Node], var: str, get):  # noqa: ANN001, ANN202 - small internal helper
+    """A job-level variable: it must have one value on every node."""
+    values = {n.name: get(n) for n in nodes}
+    distinct = set(values.values())
+    if len(distinct) > 1:
+        shown = ", ".join(f"{k}={v!r}" for k, v in values.items())
+        raise LaunchError(f"{var} must be the same on every node of a job, got {shown}")
+    return next(iter(distinct))
+
+
+def resolve(address: str) -> str:
+    """An IP address for `address` (an IP literal is returned as is); LaunchError if it does not resolve."""
+    try:
+        return str(ipaddress.ip_address(address))
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+        raise LaunchError(f"cannot resolve {address!r} on this machine: {e}") from None
+    infos.sort(key=lambda i: i[0] != socket.AF_INET)  # IPv4 first, as gloo/NCCL prefer
+    return str(infos[0][4][0])
+
+
+def master_address(master: Node, explicit: str | None, all_local: bool) -> str:
+    """MASTER_ADDR: ddp_master_addr, else the master's inventory address resolved to an IP here."""
+    source = "ddp_master_addr" if explicit else "ansible_host"
+    try:
+        addr = resolve(explicit or master.address)
+    except LaunchError as e:
+        raise LaunchError(f"master {master.name}: {source}: {e}; set it to the node's IP") from None
+    if ipaddress.ip_address(addr).is_loopback and not all_local:
+        raise LaunchError(
+            f"master {master.name}: {source} {explicit or master.address!r} is {addr}, a loopback address "
+            "the other nodes cannot reach; set it (or ddp_master_addr) to the master's cluster IP"
+        )
+    return addr
+
+
+def _node_plan(
+    node: Node, rank: int, nnodes: int, addr: str, port: int, job_id: str, options: Options
+) -> NodePlan:
+    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.update(node.env)
+    env.update(options.env)
+    if options.debug:
+        env.update(DEBUG_ENV)
+    env["DDP_JOB_ID"] = job_id
+    argv = [
+        f"{node.venv.rstrip('/')}/bin/torchrun",
+        "--nnodes",
+        str(nnodes),
+        "--nproc-per-node",
+        options.nproc_per_node or node.nproc,
+        "--node-rank",
+        str(rank),
+        "--master-addr",
+        addr,
+        "--master-port",
+        str(port),
+    ]
+    if options.max_restarts is not None:
+        argv += ["--max-restarts", str(options.max_restarts)]
+    argv += ["-m", "ddp_train"]
+    config_path = None
+    if options.config:
+        config_path = options.config if node.local else remote_config_path(node, job_id, options.config)
+        argv += ["--config", config_path]
+    for item in options.overrides:
+        argv += ["--set", item]
+    argv += list(options.trainer_args)
+    return NodePlan(node=node, rank=rank, env=env, argv=tuple(argv), config_path=config_path)
+
+
+def remote_config_path(node: Node, job_id: str, local_path: str) -> str:
+    """Where a remote node gets its copy of --config (relative paths are under the login directory)."""
+    name = local_path.rstrip("/").rsplit("/", 1)[-1]
+    base = f"{node.workdir.rstrip('/')}/" if node.workdir else ""
+    return f"{base}{CONFIG_DIR}/{job_id}/{name}"
+
+
+def command(plan: NodePlan, masked: bool = False) -> str:
+    """The shell command a node runs: cd workdir; setsid env ... torchrun, printing its PGID first.
+
+    `setsid -w` puts torchrun and every worker in one new process group (PGID = the pid of the inner
+    `sh`, which prints it and then execs torchrun), so teardown can signal the whole tree at once; it
+    waits for torchrun and passes its exit status back. Only processes inside the group carry the job's
+    env (DDP_JOB_ID), so signalling them never kills setsid itself and the exit status survives.
+    """
+    env = [f"{k}={MASK if masked and SECRET_NAME.search(k) else v}" for k, v in plan.env.items()]
+    argv = [_mask_override(a) for a in plan.argv] if masked else list(plan.argv)
+    inner = f'echo "{PGID_MARKER} $$"; exec "$@"'
+    run = shlex.join(["exec", "setsid", "-w", "env", *env, "sh", "-c", inner, "ddp-launch", *argv])
+    workdir = plan.node.workdir
+    return f"cd -- {shlex.quote(workdir)} && {run}" if workdir else run
+
+
+def _mask_override(arg: str) -> str:
+    key, sep, _ = arg.partition("=")
+    return f"{key}={MASK}" if sep and SECRET_NAME.search(key) else arg
+
+
+def mask_text(text: str, secret_values: Sequence[str]) -> str:
+    """Replace every secret value in `text` by ***."""
+    for value in secret_values:
+        if len(value) >= 3:
+            text = text.replace(value, MASK)
+    return text

@@ -1,0 +1,441 @@
+"""Preflight: check every node in parallel before anything starts; one clear line per problem.
+
+SSH with host key checking; the node's python, torch, torchrun and ddp_train; torch/CUDA/NCCL/Python
+versions and GPU count equal across nodes; no hostname resolving to loopback; MASTER_PORT free on the
+master and reachable from every node; and every node reachable from every other node on an
+OS-chosen ephemeral port, which is what gloo and NCCL connect to after the rendezvous.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import ipaddress
+import json
+import secrets
+import shlex
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from ddp_train.launch.errors import LaunchError, one_line
+from ddp_train.launch.logs import table
+from ddp_train.launch.plan import JobPlan, NodePlan, resolve
+from ddp_train.launch.remote import RemoteError, Session, Stream, open_session
+
+PROBE_MARK = "DDP-PROBE "
+FINGERPRINT = "ddp-train-fingerprint.json"
+COMPARED = ("python", "torch", "cuda", "nccl", "gpus", "ddp_train")
+
+# Runs with the node's venv python and env: versions, GPUs, hostname resolution, files the job needs.
+PROBE = r"""
+import importlib.util, json, os, shutil, socket, sys
+venv, workdir = sys.argv[1], sys.argv[2]
+r = {"python": "%d.%d.%d" % sys.version_info[:3], "executable": sys.executable}
+r["hostname"] = host = socket.gethostname()
+try:
+    r["hostname_ips"] = sorted({a[4][0] for a in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)})
+except OSError as e:
+    r["hostname_error"] = str(e)
+r["setsid"] = shutil.which("setsid")
+r["torchrun"] = os.access(os.path.join(venv, "bin", "torchrun"), os.X_OK)
+r["workdir_ok"] = not workdir or os.path.isdir(workdir)
+try:
+    with open(os.path.join(venv, "ddp-train-fingerprint.json")) as f:
+        r["fingerprint"] = json.load(f)
+except (OSError, ValueError):
+    pass
+try:
+    import torch
+    r["torch"] = torch.__version__
+    r["cuda"] = torch.version.cuda
+    gpu = torch.cuda.is_available()
+    r["gpus"] = torch.cuda.device_count() if gpu else 0
+    if gpu:
+        v = torch.cuda.nccl.version()
+        r["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+except Exception as e:
+    r["torch_error"] = "%s: %s" % (type(e).__name__, e)
+try:
+    if importlib.util.find_spec("ddp_train.__main__") is None:
+        r["ddp_train_error"] = "ddp_train has no __main__ (python -m ddp_train would fail)"
+    else:
+        import ddp_train
+        try:
+            from importlib.metadata import version
+            r["ddp_train"] = version("ddp-train")
+        except Exception:
+            r["ddp_train"] = getattr(ddp_train, "__version__", "unknown")
+except Exception as e:
+    r["ddp_train_error"] = "%s: %s" % (type(e).__name__, e)
+print("DDP-PROBE " + json.dumps(r), flush=True)
+"""
+
+# Listens on MASTER_PORT (master only) and on an ephemeral port; answers each connection with a token.
+LISTENER = r"""
+import os, select, socket, sys, time
+port, token, life = int(sys.argv[1]), sys.argv[2].encode(), float(sys.argv[3])
+socks = []
+def listen(p):
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("", p))
+    s.listen(128)
+    socks.append(s)
+    return s.getsockname()[1]
+if port:
+    try:
+        print("MASTER", listen(port), flush=True)
+    except OSError as e:
+        print("MASTER-BUSY", port, e.strerror, flush=True)
+print("EPHEMERAL", listen(0), flush=True)
+print("READY", flush=True)
+end = time.time() + life
+while time.time() < end:
+    ready = select.select(socks + [sys.stdin], [], [], 0.5)[0]
+    for s in ready:
+        if s is sys.stdin:
+            if not os.read(0, 4096):
+                sys.exit(0)
+            continue
+        c, _ = s.accept()
+        try:
+            c.sendall(token + b"\n")
+        except OSError:
+            pass
+        c.close()
+"""
+
+# Connects to every target in parallel and reports ok / the error for each.
+CONNECTOR = r"""
+import json, socket, sys, threading
+targets, token, timeout = json.loads(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+out = {}
+def probe(key, ip, port):
+    try:
+        with socket.create_connection((ip, port), timeout=timeout) as s:
+            s.settimeout(timeout)
+            got = s.makefile().readline().strip()
+        out[key] = "ok" if got == token else "answered by another program (not the ddp-launch probe)"
+    except socket.timeout:
+        out[key] = "timed out after %gs" % timeout
+    except OSError as e:
+        out[key] = e.strerror or str(e)
+ts = [threading.Thread(target=probe, args=t) for t in targets]
+[t.start() for t in ts]
+[t.join() for t in ts]
+print("DDP-CONNECT " + json.dumps(out), flush=True)
+"""
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass
+class NodeCheck:
+    """What preflight learned about one node."""
+
+    plan: NodePlan
+    session: Session | None = None
+    facts: dict[str, Any] = dataclasses.field(default_factory=dict)
+    failures: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.plan.node.name
+
+    def fail(self, message: str) -> None:
+        self.failures.append(message)
+
+
+@dataclasses.dataclass
+class Report:
+    """Preflight results; `sessions` are the open control connections, reused for teardown."""
+
+    checks: list[NodeCheck]
+
+    @property
+    def ok(self) -> bool:
+        return not any(c.failures for c in self.checks)
+
+    def failure_lines(self) -> list[str]:
+        return [f"{c.name}: {m}" for c in self.checks for m in c.failures]
+
+    def warning_lines(self) -> list[str]:
+        return [f"{c.name}: {m}" for c in self.checks for m in c.warnings]
+
+    def sessions(self) -> dict[str, Session]:
+        return {c.name: c.session for c in self.checks if c.session is not None}
+
+    def render(self) -> str:
+        """The doctor table, then one line per failure and warning."""
+        rows = []
+        for c in self.checks:
+            f = c.facts
+            status = "ok" if not c.failures else f"FAIL ({len(c.failures)})"
+            rows.append(
+                [
+                    c.name,
+                    c.plan.rank,
+                    c.plan.node.where,
+                    f.get("python"),
+                    f.get("torch"),
+                    f.get("cuda"),
+                    f.get("nccl"),
+                    f.get("gpus"),
+                    f.get("ddp_train"),
+                    status,
+                ]
+            )
+        head = [
+            "HOST",
+            "RANK",
+            "CONNECT",
+            "PYTHON",
+            "TORCH",
+            "CUDA",
+            "NCCL",
+            "GPUS",
+            "DDP_TRAIN",
+            "PREFLIGHT",
+        ]
+        lines = [table(head, rows)]
+        lines += [f"FAIL {m}" for m in self.failure_lines()]
+        lines += [f"warn {m}" for m in self.warning_lines()]
+        return "\n".join(lines)
+
+
+def parallel(fn: Callable[[Any], T], items: Sequence[Any]) -> list[T]:
+    """fn over items, one thread each, results in order."""
+    if not items:
+        return []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(items)) as pool:
+        return list(pool.map(fn, items))
+
+
+def run_preflight(plan: JobPlan, connect_timeout: float = 10, net_timeout: float = 3) -> Report:
+    """Run every check on every node (in parallel) and return the report; starts nothing."""
+    checks = [NodeCheck(p) for p in plan.nodes]
+    parallel(lambda c: _probe(c, connect_timeout), checks)
+    _compare_versions(checks)
+    for c in checks:
+        _check_node_facts(c, plan)
+    _check_network(plan, checks, net_timeout)
+    return report_of(checks)
+
+
+def report_of(checks: list[NodeCheck]) -> Report:
+    return Report(checks=checks)
+
+
+def probe_env(p: NodePlan) -> dict[str, str]:
+    """The job's env without its job id: probes must not look like job processes at teardown."""
+    return {k: v for k, v in p.env.items() if k != "DDP_JOB_ID"}
+
+
+def python_command(p: NodePlan, script: str, *args: str) -> str:
+    env = [f"{k}={v}" for k, v in probe_env(p).items()]
+    return shlex.join(["exec", "env", *env, f"{p.node.venv.rstrip('/')}/bin/python", "-c", script, *args])
+
+
+def _probe(c: NodeCheck, connect_timeout: float) -> None:
+    node = c.plan.node
+    try:
+        c.session = open_session(node, connect_timeout)
+    except RemoteError as e:
+        c.fail(f"ssh: {str(e).split(': ', 1)[-1]}")
+        return
+    python = f"{node.venv.rstrip('/')}/bin/python"
+    try:
+        code, out = c.session.exec(python_command(c.plan, PROBE, node.venv, node.workdir or ""), timeout=120)
+    except RemoteError as e:
+        c.fail(f"probe failed: {str(e).split(': ', 1)[-1]}")
+        return
+    found = [ln for ln in out.splitlines() if ln.startswith(PROBE_MARK)]
+    if code == 127 or (not found and "No such file" in out):
+        c.fail(f"{python} not found (ddp_venv={node.venv}): run the pytorch role or set ddp_venv")
+        return
+    if not found:
+        last = one_line(out.strip().splitlines()[-1]) if out.strip() else f"exit {code}, no output"
+        c.fail(f"{python} failed: {last}")
+        return
+    c.facts = json.loads(found[-1][len(PROBE_MARK) :])
+    if code != 0:
+        c.warnings.append(f"probe exited {code}")
+
+
+def _check_node_facts(c: NodeCheck, plan: JobPlan) -> None:
+    f, node = c.facts, c.plan.node
+    if not f:
+        return
+    if "torch_error" in f:
+        c.fail(f"cannot import torch with {f.get('executable')}: {one_line(f['torch_error'])}")
+    if "ddp_train_error" in f:
+        c.fail(
+            f"cannot import the trainer (ddp_train) with {f.get('executable')}: "
+            + one_line(f["ddp_train_error"])
+        )
+    if not f.get("torchrun"):
+        c.fail(f"{node.venv}/bin/torchrun not found or not executable (ddp_venv={node.venv})")
+    if not f.get("setsid"):
+        c.fail("setsid not found (install util-linux); the launcher needs it to stop the job cleanly")
+    if not f.get("workdir_ok"):
+        c.fail(f"ddp_workdir {node.workdir} does not exist")
+    if not plan.all_local:
+        _check_hostname(c)
+    gpus, nproc = f.get("gpus") or 0, c.plan.argv[c.plan.argv.index("--nproc-per-node") + 1]
+    if gpus and nproc.isdigit() and int(nproc) > gpus:
+        c.fail(f"{nproc} processes per node but only {gpus} GPUs")
+    if nproc == "gpu" and not gpus:
+        c.fail("--nproc-per-node gpu but torch sees no GPU")
+    fingerprint = f.get("fingerprint")
+    if isinstance(fingerprint, dict):
+        for key in ("torch", "cuda", "nccl", "python", "ddp_train"):
+            want, got = fingerprint.get(key), f.get(key)
+            if want is not None and got is not None and str(want) != str(got):
+                c.warnings.append(
+                    f"{key} is {got} but the provisioning fingerprint says {want} (venv changed?)"
+                )
+
+
+def _check_hostname(c: NodeCheck) -> None:
+    f, env = c.facts, c.plan.env
+    pinned = "GLOO_SOCKET_IFNAME" in env and ("NCCL_SOCKET_IFNAME" in env or not f.get("gpus"))
+    if "hostname_error" in f:
+        msg = f"hostname {f.get('hostname')!r} does not resolve ({f['hostname_error']}); add it to /etc/hosts"
+        (c.warnings.append if pinned else c.fail)(msg)
+        return
+    loop = [ip for ip in f.get("hostname_ips", []) if ipaddress.ip_address(ip.split("%")[0]).is_loopback]
+    if loop:
+        msg = (
+            f"hostname {f.get('hostname')!r} resolves to {', '.join(loop)}: gloo/NCCL would advertise a "
+            "loopback address to the other nodes; map it to the cluster IP in /etc/hosts (role cluster_hosts)"
+        )
+        (c.warnings.append if pinned else c.fail)(msg)
+
+
+def _compare_versions(checks: list[NodeCheck]) -> None:
+    """Every compared value must be equal on all nodes; the odd ones out are reported."""
+    probed = [c for c in checks if c.facts and "torch_error" not in c.facts]
+    for key in COMPARED:
+        values = {c.name: c.facts.get(key) for c in probed}
+        counts = collections.Counter(values.values())
+        if len(counts) < 2:
+            continue
+        top = max(counts.values())
+        # the most common value wins; on a tie, the master's (first node's) value
+        reference = next(v for v in values.values() if counts[v] == top)
+        holders = [n for n, v in values.items() if v == reference]
+        for c in probed:
+            if values[c.name] != reference:
+                c.fail(f"{key} {values[c.name]} differs from {reference} on {', '.join(holders)}")
+
+
+def _check_network(plan: JobPlan, checks: list[NodeCheck], timeout: float) -> None:
+    ready = [c for c in checks if c.facts and c.session is not None]
+    master = checks[0]
+    if master not in ready:
+        if master.failures:
+            for c in ready:
+                c.warnings.append("network checks skipped: the master failed its checks")
+        return
+    token = secrets.token_hex(8)
+    life = str(timeout * 4 + 60)
+    port = plan.master_port
+
+    def start(c: NodeCheck) -> tuple[Stream | None, dict[str, Any]]:
+        assert c.session is not None
+        cmd = python_command(c.plan, LISTENER, str(port if c is master else 0), token, life)
+        try:
+            stream = c.session.start(cmd, stdin=True)
+        except RemoteError as e:
+            c.fail(f"cannot start the network probe: {e}")
+            return None, {}
+        info: dict[str, Any] = {}
+        for line in stream.lines():
+            word, _, rest = line.partition(" ")
+            if word == "READY":
+                break
+            info[word] = rest
+        return stream, info
+
+    started = parallel(start, ready)
+    try:
+        listeners = {c.name: info for c, (_, info) in zip(ready, started)}
+        minfo = listeners.get(master.name, {})
+        if "MASTER-BUSY" in minfo:
+            why = minfo["MASTER-BUSY"].split(" ", 1)[-1]
+            master.fail(
+                f"MASTER_PORT {port} is not free on the master ({why}); stop what listens there "
+                "or choose another ddp_master_port / --master-port"
+            )
+        addresses = _addresses(plan, checks)
+        targets = {}
+        for c in ready:
+            t = []
+            if "MASTER" in minfo:
+                t.append([f"{master.name}|MASTER_PORT|{plan.master_addr}|{port}", plan.master_addr, port])
+            for peer in ready:
+                eph = listeners.get(peer.name, {}).get("EPHEMERAL")
+                ip = addresses.get(peer.name)
+                if peer is not c and eph and ip:
+                    t.append([f"{peer.name}|ephemeral|{ip}|{eph}", ip, int(eph)])
+            targets[c.name] = t
+
+        def connect(c: NodeCheck) -> None:
+            if not targets[c.name]:
+                return
+            cmd = python_command(c.plan, CONNECTOR, json.dumps(targets[c.name]), token, str(timeout))
+            try:
+                code, out = c.session.exec(cmd, timeout=timeout + 60)  # type: ignore[union-attr]
+            except RemoteError as e:
+                c.fail(f"network probe failed: {str(e).split(': ', 1)[-1]}")
+                return
+            found = [ln for ln in out.splitlines() if ln.startswith("DDP-CONNECT ")]
+            if not found:
+                c.fail(f"network probe failed: {one_line(out) or f'exit {code}'}")
+                return
+            for key, result in json.loads(found[-1][len("DDP-CONNECT ") :]).items():
+                if result != "ok":
+                    c.fail(_unreachable(key, result))
+
+        parallel(connect, ready)
+    finally:
+        for stream, _ in started:
+            if stream is not None:
+                stream.close_stdin()
+                stream.close()
+
+
+def _addresses(plan: JobPlan, checks: list[NodeCheck]) -> dict[str, str]:
+    """The IP each node is reached at by its peers: its inventory address, resolved here."""
+    out = {}
+    for c in checks:
+        try:
+            ip = resolve(c.plan.node.address)
+        except LaunchError as e:
+            c.fail(f"ansible_host: {e}")
+            continue
+        if ipaddress.ip_address(ip).is_loopback and not plan.all_local:
+            c.fail(f"ansible_host {c.plan.node.address!r} is {ip}, which other nodes cannot reach")
+            continue
+        out[c.name] = ip
+    return out
+
+
+def _unreachable(key: str, result: str) -> str:
+    peer, kind, ip, port = key.split("|")
+    hint = ""
+    if result.startswith("timed out"):
+        hint = " (packets dropped: a firewall on either side?)"
+    elif "refused" in result.lower():
+        hint = " (refused: a REJECT rule, or the address is not this node's?)"
+    if kind == "MASTER_PORT":
+        return (
+            f"cannot reach the master {peer} at {ip}:{port} (MASTER_PORT): {result}{hint}; "
+            "open MASTER_PORT to the cluster's addresses (role firewall)"
+        )
+    return (
+        f"cannot reach {peer} at {ip}:{port}, an OS-chosen ephemeral port as gloo/NCCL use: {result}{hint}; "
+        f"allow the cluster's addresses in {peer}'s firewall (role firewall)"
+    )

@@ -1,0 +1,360 @@
+"""Run commands on a node: over SSH (Fabric/paramiko, host keys always verified) or locally.
+
+A `Session` runs short commands (`exec`), copies files (`put`) and starts long-running ones
+(`start` -> `Stream`, whose output is read line by line). Local nodes (`ansible_connection: local`)
+run the very same command strings through `/bin/sh -c` in a new session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from ddp_train.launch.errors import one_line
+from ddp_train.launch.inventory import Node, SshTarget
+
+DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
+LOST = "ssh connection lost"
+
+
+class RemoteError(Exception):
+    """A node could not be reached or a command on it failed; the message is one line naming the node."""
+
+
+class Stream:
+    """Output and exit status of a command started with `Session.start`."""
+
+    def lines(self) -> Iterator[str]:
+        """Yield output lines (stdout and stderr merged) until the command's output ends."""
+        raise NotImplementedError
+
+    def wait(self, timeout: float | None = None) -> tuple[int | None, str | None]:
+        """(exit code, None) once the command ended, else (None, why): connection lost, or timed out."""
+        raise NotImplementedError
+
+    def close_stdin(self) -> None:
+        """Send EOF to the command's stdin."""
+
+    def close(self) -> None:
+        """Drop the command's output channel (the command itself is not signalled)."""
+
+
+class Session:
+    """One connection to a node."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    def exec(self, command: str, timeout: float = 30) -> tuple[int, str]:
+        """Run a short command; (exit code, merged output). RemoteError if it cannot finish in time."""
+        stream = self.start(command)
+        result: queue.Queue[list[str]] = queue.Queue()
+        reader = threading.Thread(target=lambda: result.put(list(stream.lines())), daemon=True)
+        reader.start()
+        try:
+            lines = result.get(timeout=timeout)
+        except queue.Empty:
+            stream.close()
+            raise RemoteError(f"{self.node.name}: command timed out after {timeout:g}s") from None
+        code, lost = stream.wait(timeout=5)
+        stream.close()
+        if code is None:
+            raise RemoteError(f"{self.node.name}: {lost or 'no exit status'}")
+        return code, "\n".join(lines)
+
+    def start(self, command: str, stdin: bool = False) -> Stream:
+        raise NotImplementedError
+
+    def put(self, local: str, remote: str) -> None:
+        raise NotImplementedError
+
+    def alive(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+# ---- local ----------------------------------------------------------------------------------------
+
+
+class _LocalStream(Stream):
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+
+    def lines(self) -> Iterator[str]:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            yield raw.decode("utf-8", "replace").rstrip("\r\n")
+
+    def wait(self, timeout: float | None = None) -> tuple[int | None, str | None]:
+        try:
+            return self.proc.wait(timeout=timeout), None
+        except subprocess.TimeoutExpired:
+            return None, "still running"
+
+    def close_stdin(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+
+    def close(self) -> None:
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f:
+                f.close()
+
+
+class LocalSession(Session):
+    """A node on this machine: commands run under /bin/sh in a new session, no SSH."""
+
+    def start(self, command: str, stdin: bool = False) -> Stream:
+        proc = subprocess.Popen(
+            ["/bin/sh", "-c", command],
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        return _LocalStream(proc)
+
+    def put(self, local: str, remote: str) -> None:
+        if os.path.abspath(local) != os.path.abspath(remote):
+            Path(remote).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(local, remote)
+
+
+# ---- SSH ------------------------------------------------------------------------------------------
+
+
+class _SshStream(Stream):
+    def __init__(self, channel, transport) -> None:  # noqa: ANN001 - paramiko objects
+        self.channel = channel
+        self.transport = transport
+        self.lost: str | None = None
+
+    def lines(self) -> Iterator[str]:
+        buf = b""
+        while True:
+            try:
+                data = self.channel.recv(65536)
+            except socket.timeout:
+                if self.channel.closed or not self.transport.is_active():
+                    self.lost = LOST
+                    break
+                continue
+            except (OSError, EOFError) as e:
+                self.lost = f"{LOST}: {e}"
+                break
+            if not data:
+                break
+            buf += data
+            *complete, buf = buf.split(b"\n")
+            for raw in complete:
+                yield raw.decode("utf-8", "replace").rstrip("\r")
+        if buf:
+            yield buf.decode("utf-8", "replace").rstrip("\r")
+
+    def wait(self, timeout: float | None = None) -> tuple[int | None, str | None]:
+        if not self.channel.status_event.wait(timeout):
+            if not self.transport.is_active():
+                return None, self.lost or LOST
+            return None, "still running"
+        code = self.channel.exit_status
+        if code == -1:  # closed without an exit status: the connection went away, or a signal killed it
+            if self.lost or not self.transport.is_active():
+                return None, self.lost or LOST
+            return None, "ended without an exit status (killed by a signal?)"
+        return code, None
+
+    def close_stdin(self) -> None:
+        with contextlib.suppress(OSError, EOFError):
+            self.channel.shutdown_write()
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class SshSession(Session):
+    """A Fabric connection to a node with host key checking always on (paramiko RejectPolicy)."""
+
+    def __init__(self, node: Node, connect_timeout: float = 10) -> None:
+        super().__init__(node)
+        assert node.ssh is not None
+        self.target = node.ssh
+        self.connection = _connect(node.name, node.ssh, connect_timeout)
+
+    def start(self, command: str, stdin: bool = False) -> Stream:
+        try:
+            channel = self.connection.create_session()
+            channel.set_combine_stderr(True)
+            channel.settimeout(0.5)
+            channel.exec_command(command)
+        except Exception as e:  # paramiko raises SSHException, EOFError, OSError...
+            raise RemoteError(
+                f"{self.node.name}: cannot start a command: {one_line(str(e) or type(e).__name__)}"
+            ) from e
+        return _SshStream(channel, self.connection.transport)
+
+    def put(self, local: str, remote: str) -> None:
+        parent = remote.rsplit("/", 1)[0] if "/" in remote else ""
+        if parent:
+            import shlex
+
+            code, out = self.exec(f"mkdir -p -- {shlex.quote(parent)}")
+            if code != 0:
+                raise RemoteError(f"{self.node.name}: cannot create {parent}: {one_line(out)}")
+        try:
+            self.connection.put(local, remote)
+        except Exception as e:
+            raise RemoteError(f"{self.node.name}: cannot copy {local} to {remote}: {one_line(str(e))}") from e
+
+    def alive(self) -> bool:
+        transport = self.connection.transport
+        return transport is not None and transport.is_active()
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+def open_session(node: Node, connect_timeout: float = 10) -> Session:
+    """A session on `node`: local, or a verified SSH connection (RemoteError with one clear line)."""
+    if node.local or node.ssh is None:
+        return LocalSession(node)
+    return SshSession(node, connect_timeout)
+
+
+def known_hosts_files(target: SshTarget) -> list[str]:
+    """~/.ssh/known_hosts plus the UserKnownHostsFile/ddp_known_hosts_file files the inventory names."""
+    files = [os.path.expanduser(DEFAULT_KNOWN_HOSTS)]
+    files += [f for f in target.known_hosts_files if f not in files]
+    return files
+
+
+def _host_keys(target: SshTarget):  # noqa: ANN202 - paramiko.HostKeys
+    import paramiko
+
+    keys = paramiko.HostKeys()
+    for path in known_hosts_files(target):
+        if os.path.exists(path):
+            keys.load(path)
+    server = target.host if target.port == 22 else f"[{target.host}]:{target.port}"
+    if target.host_key_alias:  # HostKeyAlias: OpenSSH looks the key up under the alias
+        for keytype, key in (keys.lookup(target.host_key_alias) or {}).items():
+            keys.add(server, keytype, key)
+    return keys, server
+
+
+def _connect(name: str, target: SshTarget, timeout: float):  # noqa: ANN202 - fabric.Connection
+    gateway = target.proxy_command
+    for hop in filter(None, (j.strip() for j in (target.proxy_jump or "").split(","))):
+        user, _, hostport = hop.rpartition("@")
+        host, _, port = hostport.partition(":")
+        hop_target = SshTarget(
+            host=host,
+            port=int(port or 22),
+            user=user or None,
+            key_files=target.key_files,
+            known_hosts_files=target.known_hosts_files,
+        )
+        gateway = _connection(hop_target, timeout, gateway)  # each hop tunnels through the previous one
+    conn = _connection(target, timeout, gateway)
+    try:
+        conn.open()
+    except Exception as e:
+        conn.close()
+        via = f" via {target.proxy_jump}" if target.proxy_jump else ""
+        _, server = _host_keys(target)
+        raise RemoteError(
+            f"{name} ({target.describe()}{via}): {_explain(e, target, server, timeout)}"
+        ) from None
+    _keepalive(conn)
+    return conn
+
+
+def _connection(target: SshTarget, timeout: float, gateway):  # noqa: ANN001, ANN202
+    """An unopened Fabric Connection that knows the host keys and rejects unknown ones."""
+    import paramiko
+    from fabric import Config, Connection
+
+    connect_kwargs: dict = {"timeout": timeout, "banner_timeout": timeout, "auth_timeout": timeout}
+    if target.key_files:
+        connect_kwargs["key_filename"] = list(target.key_files)
+    if target.password:
+        connect_kwargs["password"] = target.password
+    conn = Connection(
+        target.host,
+        user=target.user,
+        port=target.port,
+        config=Config(),
+        connect_kwargs=connect_kwargs,
+        gateway=gateway,
+    )
+    keys, _ = _host_keys(target)
+    for hostname, entries in keys.items():
+        for keytype, key in entries.items():
+            conn.client.get_host_keys().add(hostname, keytype, key)
+    conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    return conn
+
+
+def _explain(e: BaseException, target: SshTarget, server: str, timeout: float) -> str:
+    import paramiko
+
+    files = ", ".join(known_hosts_files(target))
+    port = "" if target.port == 22 else f" -p {target.port}"
+    scan = f"ssh-keyscan -H{port} {target.host} >> ~/.ssh/known_hosts"
+    if isinstance(e, paramiko.BadHostKeyException):
+        return (
+            f"HOST KEY MISMATCH: the server offered {e.key.get_name()} {e.key.get_fingerprint().hex()} but "
+            f"known_hosts ({files}) has another key for {server} (possible man-in-the-middle); if the host "
+            f"was reinstalled, verify its new key and replace the entry (ssh-keygen -R {server})"
+        )
+    if isinstance(e, paramiko.SSHException) and "not found in known_hosts" in str(e):
+        return (
+            f"host key unknown: {server} is not in {files}; verify the host's key out of band, then: {scan} "
+            "(host key checking is never disabled)"
+        )
+    if isinstance(e, paramiko.AuthenticationException):
+        keys = ", ".join(target.key_files) or "default keys/agent"
+        user = target.user or os.environ.get("USER", "?")
+        return f"authentication failed for user {user} ({keys}): {one_line(str(e))}"
+    if isinstance(e, (socket.timeout, TimeoutError)):
+        return f"connection timed out after {timeout:g}s (host down or a firewall drops port {target.port})"
+    if isinstance(e, paramiko.ssh_exception.NoValidConnectionsError):
+        errors = {str(err.strerror or err).lower() for err in e.errors.values()}
+        return f"cannot connect to port {target.port}: {', '.join(sorted(errors))}"
+    if isinstance(e, OSError):
+        return f"cannot connect to port {target.port}: {e.strerror or e}"
+    return f"ssh failed: {type(e).__name__}: {one_line(str(e))}"
+
+
+def _keepalive(conn) -> None:  # noqa: ANN001
+    """Notice a dead peer in ~20 s instead of TCP's default ~15 min, so fail-fast covers node loss."""
+    transport = conn.transport
+    transport.set_keepalive(5)
+    sock = transport.sock
+    if not isinstance(sock, socket.socket):
+        return  # a ProxyCommand/jump channel: paramiko's keepalive is all we have
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in (
+        ("TCP_KEEPIDLE", 10),
+        ("TCP_KEEPINTVL", 5),
+        ("TCP_KEEPCNT", 3),
+        ("TCP_USER_TIMEOUT", 20000),
+    ):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+
+
+def wait_all(threads: list[threading.Thread], timeout: float) -> None:
+    """Join threads until `timeout` seconds have passed in total."""
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
