@@ -103,7 +103,7 @@ def load_nodes(
         try:
             inventory = InventoryManager(loader=loader, sources=list(sources))
         except AnsibleError as e:
-            raise LaunchError(f"inventory {where}: {_parse_failure(notes, e)}") from None
+            raise LaunchError(_parse_failure(where, notes, e)) from None
         extra = _load_extra_vars(loader, extra_vars)
         variables = VariableManager(loader=loader, inventory=inventory)
         hosts = _select_hosts(inventory, where, group, limit, exclude, notes)
@@ -122,7 +122,15 @@ def _quiet_ansible() -> Iterator[list[str]]:
     }
 
     def error_as_warning(msg: str, exception: BaseException | None = None, *a: Any, **k: Any) -> None:
-        notes.append(f"{msg} {exception}" if exception is not None else msg)
+        if exception is None:
+            notes.append(msg)
+            return
+        origin = getattr(exception, "obj", None)
+        line = getattr(origin, "line_num", None)
+        detail = one_line(getattr(exception, "message", None) or str(exception))
+        plugin = re.search(r"'([\w.]+)' plugin", msg)
+        # "<plugin>\t<line>\t<message>", read back by _parse_failure
+        notes.append(f"{plugin.group(1) if plugin else msg}\t{line or ''}\t{detail}")
 
     display.warning = lambda msg, *a, **k: notes.append(str(msg))
     display.error_as_warning = error_as_warning
@@ -135,13 +143,18 @@ def _quiet_ansible() -> Iterator[list[str]]:
             setattr(display, name, fn)
 
 
-def _parse_failure(notes: list[str], err: Exception) -> str:
-    # Ansible tries every plugin; the yaml/ini plugin's complaint is the one a user needs.
-    for plugin in ("'yaml' plugin", "'ini' plugin"):
-        for note in notes:
-            if plugin in note:
-                return one_line(note.split("plugin.", 1)[-1])
-    return one_line(notes[-1] if notes else str(err))
+def _parse_failure(where: str, notes: list[str], err: Exception) -> str:
+    """The failing file, line and the complaint of the plugin that matches its format."""
+    text = str(getattr(err, "message", None) or err)
+    source = text.rsplit("inventory source ", 1)[-1].strip() if "inventory source " in text else where
+    failures = [n.split("\t", 2) for n in notes if n.count("\t") >= 2]
+    yamlish = source.endswith((".yml", ".yaml", ".json"))
+    for plugin in ("auto", "yaml", "ini") if yamlish else ("ini", "yaml", "auto"):
+        for name, line, detail in failures:
+            if name == plugin:
+                line = line or next((ln for n, ln, d in failures if d == detail and ln), "")
+                return f"{source}{':' + line if line else ''}: {detail}"
+    return f"inventory {source}: {one_line(notes[-1] if notes else text)}"
 
 
 def _load_extra_vars(loader: Any, items: Sequence[str]) -> dict[str, Any]:

@@ -1,0 +1,136 @@
+"""ddp-launch's command line: bad input is one line and exit 2; --dry-run prints each node's exact command."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddp_train.launch.cli import main
+from ddp_train.launch.logs import JobLog, first_error
+
+REPO = Path(__file__).resolve().parents[2]
+LOCAL_INV = str(REPO / "inventory" / "local")
+
+
+def run_main(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own exits
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--hosts", "/nonexistent/inv"], "inventory /nonexistent/inv: no such file or directory"),
+        (["--hosts", LOCAL_INV, "--config", "/nonexistent.yaml"], "--config /nonexistent.yaml: no such file"),
+        (["--hosts", LOCAL_INV, "--set", "no.such.key=1"], "no.such.key"),
+        (["--hosts", LOCAL_INV, "--env", "1BAD=x"], "--env '1BAD=x': expected NAME=VALUE"),
+        (["--hosts", LOCAL_INV, "--master-port", "70000"], "--master-port 70000: not a TCP port"),
+        (["--hosts", LOCAL_INV, "--nproc-per-node", "0"], "--nproc-per-node '0'"),
+        (["--hosts", LOCAL_INV, "--max-restarts", "-1"], "--max-restarts -1: must be >= 0"),
+        (
+            ["--hosts", LOCAL_INV, "--limit", "nomatch"],
+            "no hosts in group 'gpu_nodes' matching --limit 'nomatch'",
+        ),
+        (["--hosts", LOCAL_INV, "--job-id", "a b"], "--job-id 'a b'"),
+        (["doctor", "--hosts", LOCAL_INV, "--", "x"], "doctor takes no trainer arguments"),
+        (["--hosts", LOCAL_INV, "-e", "ddp_master_port=abc"], "ddp_master_port: 'abc' is not a TCP port"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture
+) -> None:
+    code, out, err = run_main([*argv, "--dry-run"] if argv[0] != "doctor" else argv, capsys)
+    assert code == 2
+    assert message in err
+    assert err.count("\n") == 1 and err.startswith("ddp-launch: error: ")
+    assert "Traceback" not in err + out
+
+
+def test_bad_trainer_config_is_refused_before_any_node_is_touched(tmp_path: Path, capsys) -> None:
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text("train:\n  max_steps: -3\n")
+    code, _, err = run_main(["--hosts", LOCAL_INV, "--config", str(cfg), "--dry-run"], capsys)
+    assert code == 2 and "train.max_steps" in err and str(cfg) in err
+
+
+def test_dry_run_prints_every_node_command_with_secrets_masked(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    extra = json.dumps({"ddp_env": {"HF_TOKEN": "hf_secret_value", "A": "b c"}})
+    code, out, _ = run_main(
+        ["--hosts", LOCAL_INV, "-e", extra, "--job-id", "dry1", "--master-port", "29999", "--set",
+         "train.max_steps=3", "--dry-run", "--", "--trainer-flag"],
+        capsys,
+    )  # fmt: skip
+    assert code == 0
+    commands = [ln for ln in out.splitlines() if not ln.startswith("#")]
+    assert len(commands) == 2 and "hf_secret_value" not in out and "HF_TOKEN=***" in out
+    for rank, cmd in enumerate(commands):
+        words = shlex.split(cmd)
+        i = words.index("--node-rank")
+        assert words[i + 1] == str(rank)
+        assert words[words.index("--master-addr") + 1] == "127.0.0.1"
+        assert words[words.index("--master-port") + 1] == "29999"
+        assert "DDP_JOB_ID=dry1" in words and "A=b c" in words
+        assert words[: words.index("setsid")] == ["cd", "--", str(tmp_path), "&&", "exec"]
+        assert words[-3:] == ["--set", "train.max_steps=3", "--trainer-flag"]
+    assert not (tmp_path / "logs").exists()
+
+
+def test_console_script_errors_without_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "inv.yml"
+    bad.write_text("all:\n  hosts:\n    a: {ansible_port: [1, 2]}\n")
+    res = subprocess.run(
+        [str(Path(sys.executable).parent / "ddp-launch"), "--hosts", str(bad), "--dry-run"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 2
+    assert (
+        res.stderr.strip()
+        == f"ddp-launch: error: {bad}:3: host a: ansible_port: [1, 2] is not a TCP port (1-65535)"
+    )
+
+
+TORCHRUN_FAILURE = """\
+[rank1]: Traceback (most recent call last):
+[rank1]:   File "x.py", line 3, in <module>
+[rank1]: RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:123
+E1202 15:09:36.969000 31350 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1)
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+  exitcode  : 1 (pid: 31371)
+"""
+
+
+def test_first_error_prefers_signal_then_exception_then_exit_code() -> None:
+    assert first_error(TORCHRUN_FAILURE.splitlines()).startswith("[rank1]: RuntimeError: [gloo")
+    killed = [
+        "  exitcode  : -9 (pid: 31371)  (SIGKILL)",
+        "  traceback : Signal 9 (SIGKILL) received by PID 31371",
+    ]
+    assert first_error(killed) == "traceback : Signal 9 (SIGKILL) received by PID 31371"
+    assert first_error(["ddp-train: error: c.yaml: train.lr: must be > 0"]) == (
+        "ddp-train: error: c.yaml: train.lr: must be > 0"
+    )
+    assert first_error(["all good", "step 5/10 loss 1.0"]) is None
+
+
+def test_job_log_prefixes_lines_and_masks_secrets(tmp_path: Path) -> None:
+    console = tmp_path / "console.txt"
+    with console.open("w") as out:
+        log = JobLog(tmp_path / "logs", "job1", secrets=["s3cr3t-v"], console=out)
+        log.line("node1", "node1 r1", "token is s3cr3t-v")
+        log.note("launching with s3cr3t-v")
+        log.close()
+    text = (tmp_path / "logs" / "job1" / "node1.log").read_text()
+    assert text.rstrip().endswith("[node1 r1] token is ***")
+    assert "s3cr3t-v" not in console.read_text() + text + (tmp_path / "logs/job1/launcher.log").read_text()
+    assert "[node1 r1] token is ***" in console.read_text()
