@@ -45,7 +45,7 @@ def main() -> None:
             ar.append(allreduce_busbw(tb, a.size_mb, a.iters))
             tcp.append(iperf3_gbytes(tb, 3))
     b, t = median(ar), median(tcp)
-    print(f"allreduce busbw GB/s {['%.3f' % x for x in ar]}; iperf3 TCP GB/s {['%.3f' % x for x in tcp]}")
+    print(f"allreduce busbw GB/s {[round(x, 3) for x in ar]}; iperf3 TCP GB/s {[round(x, 3) for x in tcp]}")
     print(
         ratio_line(
             "C3",
