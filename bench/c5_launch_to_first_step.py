@@ -131,7 +131,7 @@ def main() -> None:
                 f"N={n}: "
                 + "  ".join(f"{k} {v:.2f}s {[round(x, 2) for x in times[k]]}" for k, v in med.items())
                 + f"  ddp-launch/pdsh {med['ddp-launch'] / med['pdsh']:.3f}"
-                f"  ddp-launch/sequential {med['ddp-launch'] / med['sequential']:.3f} (target {1 / n + 0.1:.2f})"
+                f"  ddp-launch/seq {med['ddp-launch'] / med['sequential']:.3f} (target {1 / n + 0.1:.2f})"
             )
     n = max(sizes)
     med = {k: median(v) for k, v in results[n].items()}
