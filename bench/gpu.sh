@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 7 as one script (< 5 minutes on one H200): G1 bf16 matmul ceiling, G2 our
+# trainer vs a nanoGPT-style loop on GPT-124M (tokens/s, MFU), G3 DDP world_size 1 over NCCL vs bare.
+# `bench/gpu.sh --smoke` runs the same code on CPU with tiny shapes (what CI can check).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+smoke=()
+[ "${1:-}" = "--smoke" ] && smoke=(--smoke)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} PYTHONUNBUFFERED=1
+"$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), *(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())))'
+"$PY" bench/gpu_bench.py matmul "${smoke[@]}"
+"$PY" -m torch.distributed.run --standalone --nproc-per-node 1 bench/gpu_bench.py ddp-vs-bare "${smoke[@]}"
+"$PY" bench/gpu_bench.py trainer-vs-minimal "${smoke[@]}"

@@ -1,0 +1,257 @@
+"""GPU checks for one lent H200 (issue 7), each printing one ratio line; `--smoke` runs them on CPU.
+
+    python bench/gpu_bench.py matmul            # G1 bf16 matmul 8192^3 TFLOP/s vs the device's peak
+    python bench/gpu_bench.py trainer-vs-minimal  # G2 our trainer vs a nanoGPT-style loop, GPT-124M
+    torchrun --standalone --nproc-per-node 1 bench/gpu_bench.py ddp-vs-bare   # G3 DDP(ws=1, nccl) vs bare
+
+bench/gpu.sh runs all three in under 5 minutes. Same model, batch, precision and compile setting on
+both sides of every ratio; throughput is the median over timed steps after warm-up (and compilation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from common import ratio_line  # noqa: E402
+
+from ddp_train.config import load_config  # noqa: E402
+from ddp_train.data import build_dataset  # noqa: E402
+from ddp_train.metrics import mfu, peak_flops  # noqa: E402
+from ddp_train.models import build_model, flops_per_token  # noqa: E402
+from ddp_train.optim import build_optimizer  # noqa: E402
+
+GPU_SETS = ["train.batch_size=16", "train.grad_accum_steps=1"]
+SMOKE_SETS = [
+    "model.gpt.n_layer=2",
+    "model.gpt.n_head=2",
+    "model.gpt.n_embd=64",
+    "model.gpt.block_size=64",
+    "model.gpt.vocab_size=256",
+    "train.batch_size=4",
+    "train.grad_accum_steps=1",
+    "train.precision=fp32",
+    "train.compile=false",
+    "data.synthetic.num_samples=256",
+]
+
+
+def bench_config(smoke: bool):
+    return load_config(
+        str(REPO / "ddp_train" / "configs" / "gpt2-124m.yaml"), SMOKE_SETS if smoke else GPU_SETS
+    )
+
+
+def device() -> torch.device:
+    return (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def device_peak(dev: torch.device) -> float | None:
+    return peak_flops(torch.cuda.get_device_name(dev)) if dev.type == "cuda" else None
+
+
+def cmd_matmul(a: argparse.Namespace) -> None:
+    dev = device()
+    n = 1024 if a.smoke else 8192
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    x = torch.randn(n, n, device=dev, dtype=dtype)
+    y = torch.randn(n, n, device=dev, dtype=dtype)
+    times = []
+    for i in range(5 + (3 if a.smoke else 30)):
+        sync(dev)
+        t0 = time.perf_counter()
+        x @ y
+        sync(dev)
+        if i >= 5:
+            times.append(time.perf_counter() - t0)
+    tflops = 2 * n**3 / statistics.median(times) / 1e12
+    peak = device_peak(dev)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    print(f"matmul {n}^3 {dtype} on {name}: {tflops:.1f} TFLOP/s (median of {len(times)})")
+    ratio = tflops * 1e12 / peak if peak else float("nan")
+    print(ratio_line("G1", "matmul_bf16/peak", "tflops", ratio, tflops=f"{tflops:.1f}", n=n))
+
+
+def minimal_loop(cfg, steps: int, warmup: int) -> tuple[float, float]:
+    """nanoGPT's train.py loop, nothing else: (tokens/s, seconds/step), medians after warm-up."""
+    dev = device()
+    torch.manual_seed(cfg.seed)
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    model = build_model(cfg).to(dev)
+    opt = build_optimizer(model, cfg.train, dev)
+    fwd = torch.compile(model) if cfg.train.compile else model
+    amp = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if dev.type == "cuda" and cfg.train.precision == "bf16"
+        else contextlib.nullcontext()
+    )
+    data = build_dataset(cfg)
+    bs, t = cfg.train.batch_size, cfg.model.gpt.block_size
+    g = torch.Generator().manual_seed(cfg.seed)
+    times = []
+    for step in range(warmup + steps):
+        sync(dev)
+        t0 = time.perf_counter()  # batch assembly counts, as it does in the trainer's windows
+        idx = torch.randint(len(data), (bs,), generator=g).tolist()
+        x = torch.stack([data[i][0] for i in idx])
+        y = torch.stack([data[i][1] for i in idx])
+        if dev.type == "cuda":
+            x, y = x.pin_memory(), y.pin_memory()
+        x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+        with amp:
+            loss = fwd(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(dev)
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+    sec = statistics.median(times)
+    return bs * t / sec, sec
+
+
+def trainer_run(cfg_sets: list[str], steps: int, smoke: bool) -> tuple[float, float | None]:
+    """Our trainer under torchrun (1 process): median tokens/s and MFU of the logged windows after warm-up."""
+    with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
+        sets = [
+            *cfg_sets,
+            f"train.max_steps={steps}",
+            "log.interval_steps=5",
+            "checkpoint.interval_steps=0",
+            "checkpoint.resume=never",
+            "log.progress=never",
+            f"run.dir={tmp}",
+        ]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=1",
+            "-m",
+            "ddp_train",
+            "--config",
+            str(REPO / "ddp_train" / "configs" / "gpt2-124m.yaml"),
+            *[x for s in sets for x in ("--set", s)],
+        ]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+        if res.returncode != 0:
+            sys.exit(
+                f"gpu_bench: trainer failed ({res.returncode}):\n{res.stdout[-3000:]}{res.stderr[-3000:]}"
+            )
+        recs = [json.loads(x) for x in (Path(tmp) / "gpt2-124m" / "metrics.jsonl").read_text().splitlines()]
+    recs = recs[2:] if len(recs) > 3 else recs[1:]  # the first windows include compilation
+    mfus = [r["mfu"] for r in recs if "mfu" in r]
+    return statistics.median(r["tokens_per_s"] for r in recs), statistics.median(mfus) if mfus else None
+
+
+def cmd_trainer_vs_minimal(a: argparse.Namespace) -> None:
+    cfg = bench_config(a.smoke)
+    steps, warmup = (10, 3) if a.smoke else (40, 10)
+    sets = SMOKE_SETS if a.smoke else GPU_SETS
+    ours_tok, ours_mfu = trainer_run(sets, steps + warmup, a.smoke)
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    base_tok, _ = minimal_loop(cfg, steps, warmup)
+    dev = device()
+    peak = device_peak(dev)
+    model = build_model(cfg)
+    base_mfu = mfu(base_tok, flops_per_token(model), peak, 1) if peak else None
+    fmt = lambda v: f"{v:.1%}" if v is not None else "n/a"  # noqa: E731
+    print(
+        f"trainer {ours_tok:.0f} tok/s mfu {fmt(ours_mfu)}; minimal {base_tok:.0f} tok/s mfu {fmt(base_mfu)}"
+    )
+    print(
+        ratio_line(
+            "G2",
+            "trainer/minimal_loop",
+            "tokens_s",
+            ours_tok / base_tok,
+            mfu=fmt(ours_mfu),
+            minimal_mfu=fmt(base_mfu),
+            tokens_s=f"{ours_tok:.0f}",
+        )
+    )
+
+
+def cmd_ddp_vs_bare(a: argparse.Namespace) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dev = device()
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    cfg = bench_config(a.smoke)
+    cfg.train.compile = False  # compare the wrappers, not compilation
+    steps, warmup = (5, 2) if a.smoke else (30, 5)
+    results = {}
+    for mode in ("bare", "ddp", "bare2", "ddp2"):  # ABAB against drift
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg).to(dev)
+        net = (
+            DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+            if mode.startswith("ddp")
+            else model
+        )
+        opt = build_optimizer(model, cfg.train, dev)
+        amp = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else contextlib.nullcontext()
+        x = torch.randint(
+            cfg.model.gpt.vocab_size, (cfg.train.batch_size, cfg.model.gpt.block_size), device=dev
+        )
+        times = []
+        for i in range(warmup + steps):
+            sync(dev)
+            t0 = time.perf_counter()
+            with amp:
+                loss = net(x, x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync(dev)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        results.setdefault(mode.rstrip("2"), []).extend(times)
+        del net, model, opt
+    bare, ddp = statistics.median(results["bare"]), statistics.median(results["ddp"])
+    if dist.get_rank() == 0:
+        print(f"step time: bare {bare * 1e3:.1f} ms, DDP(world_size=1) {ddp * 1e3:.1f} ms")
+        print(ratio_line("G3", "ddp_ws1/bare", "step_time", ddp / bare, backend=dist.get_backend()))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("check", choices=["matmul", "trainer-vs-minimal", "ddp-vs-bare"])
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks the script, not the GPU")
+    a = p.parse_args()
+    {"matmul": cmd_matmul, "trainer-vs-minimal": cmd_trainer_vs_minimal, "ddp-vs-bare": cmd_ddp_vs_bare}[
+        a.check
+    ](a)
+
+
+if __name__ == "__main__":
+    main()
