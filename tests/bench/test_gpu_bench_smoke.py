@@ -1,0 +1,29 @@
+"""bench/gpu.sh cannot run on a GPU in CI; its --smoke mode runs the same code on CPU so it cannot rot."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_gpu_sh_smoke_prints_three_ratio_lines(repo_root):
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(
+        ["bash", "bench/gpu.sh", "--smoke"],
+        cwd=repo_root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    codes = re.findall(r"^(G[123]) \S+ \S+ ratio=(\S+)", res.stdout, re.M)
+    assert [c for c, _ in codes] == ["G1", "G3", "G2"]
+    ratios = dict(codes)
+    assert float(ratios["G2"]) > 0 and float(ratios["G3"]) > 0
