@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import secrets
+import shlex
 import shutil
 import socket
 import subprocess
@@ -127,7 +129,9 @@ class LocalSession(Session):
     def put(self, local: str, remote: str) -> None:
         if os.path.abspath(local) != os.path.abspath(remote):
             Path(remote).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(local, remote)
+            tmp = f"{remote}.{secrets.token_hex(4)}.tmp"
+            shutil.copyfile(local, tmp)
+            os.replace(tmp, remote)
 
 
 # ---- SSH ------------------------------------------------------------------------------------------
@@ -203,17 +207,20 @@ class SshSession(Session):
         return _SshStream(channel, self.connection.transport)
 
     def put(self, local: str, remote: str) -> None:
+        """Copy a file to the node atomically (temp file + rename), creating its directory."""
         parent = remote.rsplit("/", 1)[0] if "/" in remote else ""
+        tmp = f"{remote}.{secrets.token_hex(4)}.tmp"
         if parent:
-            import shlex
-
-            code, out = self.exec(f"mkdir -p -- {shlex.quote(parent)}")
+            code, out = self.exec(shlex.join(["mkdir", "-p", "--", parent]))
             if code != 0:
                 raise RemoteError(f"{self.node.name}: cannot create {parent}: {one_line(out)}")
         try:
-            self.connection.put(local, remote)
+            self.connection.put(local, tmp)
         except Exception as e:
             raise RemoteError(f"{self.node.name}: cannot copy {local} to {remote}: {one_line(str(e))}") from e
+        code, out = self.exec(shlex.join(["mv", "-f", "--", tmp, remote]))
+        if code != 0:
+            raise RemoteError(f"{self.node.name}: cannot rename {tmp} to {remote}: {one_line(out)}")
 
     def alive(self) -> bool:
         transport = self.connection.transport
