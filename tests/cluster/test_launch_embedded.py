@@ -1,0 +1,90 @@
+"""The embedded default cluster (inventory/local: two local nodes, no SSH) of the README's first command."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCH = str(Path(sys.executable).parent / "ddp-launch")
+FINAL = re.compile(
+    r"^\[(local\d) r(\d)\] ddp-train: final rank=(\d) world=2 step=(\d+) .*params_sha256=(\w+)", re.M
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job_pids(job_id: str) -> list[int]:
+    needle = f"DDP_JOB_ID={job_id}".encode()
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and needle in (d / "environ").read_bytes().split(b"\0"):
+                pids.append(int(d.name))
+        except OSError:
+            continue
+    return pids
+
+
+def start(args: list[str], cwd: Path) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen(
+        [LAUNCH, "--hosts", str(REPO / "inventory" / "local"), "--master-port", str(free_port()), *args],
+        cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def test_readme_command_trains_on_two_local_nodes(tmp_path: Path) -> None:
+    proc = start(["--job-id", "le-ok", "--set", "train.max_steps=10"], tmp_path)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    finals = FINAL.findall(out)
+    assert sorted(f[:4] for f in finals) == [("local0", "0", "0", "10"), ("local1", "1", "1", "10")], out
+    assert len({f[4] for f in finals}) == 1
+    assert (tmp_path / "logs" / "le-ok" / "local1.log").read_text().count("[local1 r1] ") > 0
+    assert "no process of job le-ok remains" in out and job_pids("le-ok") == []
+
+
+def test_a_dead_local_worker_stops_the_other_node(tmp_path: Path) -> None:
+    proc = start(
+        ["--job-id", "le-kill", "--set", "train.max_steps=2000", "--set", "debug.step_delay_s=0.2"], tmp_path
+    )
+    try:
+        deadline = time.monotonic() + 120
+        victim = None
+        while victim is None and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+            for pid in job_pids("le-kill"):  # local1's worker: rank 1's python, not a torchrun agent
+                try:
+                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if b"RANK=1" in env and not any(c.endswith(b"torchrun") for c in cmd):
+                    victim = pid
+        assert victim is not None, "rank 1 never started"
+        time.sleep(2)  # let it train a little
+        os.kill(victim, signal.SIGKILL)
+        t0 = time.monotonic()
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode != 0 and time.monotonic() - t0 < 30, out
+        assert re.search(r"FAILED \(first failure: local1 \(rank 1\)", out), out
+        assert "no process of job le-kill remains" in out and job_pids("le-kill") == []
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
