@@ -14,6 +14,7 @@ from typing import NoReturn
 
 from ddp_train import exitcodes
 from ddp_train.config import DEFAULT_CONFIG_PATH, ConfigError, dump_yaml, load_config
+from ddp_train.console import emit_line
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
-        print(f"ddp-train: error: {exc}", file=sys.stderr, flush=True)
+        emit_line(f"ddp-train: error: {exc}", sys.stderr)
         return exitcodes.BAD_INPUT
     if args.print_config:
         sys.stdout.write(dump_yaml(cfg))

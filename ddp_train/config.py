@@ -121,7 +121,7 @@ class DistConfig:
 
 @dataclass
 class LogConfig:
-    interval_steps: int = 1
+    interval_steps: int = 10
     jsonl: bool = True
     level: str = "info"
     progress: str = "auto"

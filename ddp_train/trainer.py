@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import hashlib
 import logging
 import random
@@ -18,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_train import checkpoint, distributed, exitcodes
 from ddp_train.config import Config, ConfigError, dump_yaml
+from ddp_train.console import emit_line
 from ddp_train.data import ShardedBatches, build_dataset
 from ddp_train.distributed import DistEnv
 from ddp_train.metrics import JsonlWriter, ProgressBar, attach_progress_bar, mfu, peak_flops, setup_logging
@@ -107,7 +109,8 @@ class Trainer:
             if t.precision in _AMP_DTYPES
             else contextlib.nullcontext()
         )
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        if env.is_main or cfg.debug.dump_indices:
+            cfg.run_dir.mkdir(parents=True, exist_ok=True)
         index_log = cfg.run_dir / f"indices-rank{env.rank}.jsonl" if cfg.debug.dump_indices else None
         self.batches = ShardedBatches(
             build_dataset(cfg),
@@ -135,28 +138,45 @@ class Trainer:
 
     def _resume(self) -> bool:
         """Rank 0 finds the newest valid checkpoint and sends it to all ranks (no shared disk needed)."""
-        if self.cfg.checkpoint.resume == "never":
-            return False
-        header: dict[str, Any] | None = None
+        header: dict[str, Any] = {"path": None}
         found = None
         if self.env.is_main:
-            directory = self.cfg.checkpoint_dir
-            for tmp in checkpoint.remove_stale_temps(directory):
-                log.warning("removed %s left by an interrupted save", tmp.name)
             try:
-                found = checkpoint.load_latest(directory)
-                header = {"path": str(found[1])} if found else {"path": None}
+                found = self._find_checkpoint()
+                header = {"path": str(found[1]) if found else None}
             except ConfigError as exc:
                 header = {"error": [exc.source, exc.field, exc.message]}
         header = distributed.broadcast_object(header)
-        if header and "error" in header:
+        if "error" in header:
             raise ConfigError(*header["error"])
-        if not header or header["path"] is None:
+        if header["path"] is None:
             return False
         state = distributed.broadcast_state(found[0] if found else None, self.device)
         self._apply(state, header["path"])
         log.info("resumed from %s at step %d", header["path"], self.step)
+        if self.step >= self.cfg.train.max_steps:
+            log.info(
+                "checkpoint step %d >= train.max_steps %d: nothing left to train",
+                self.step,
+                self.cfg.train.max_steps,
+            )
         return True
+
+    def _find_checkpoint(self) -> tuple[dict[str, Any], Any] | None:
+        directory = self.cfg.checkpoint_dir
+        if self.cfg.checkpoint.resume == "never":
+            existing = checkpoint.list_checkpoints(directory)
+            if existing:
+                raise ConfigError(
+                    "config",
+                    "checkpoint.resume",
+                    f"'never' but {directory} already holds {len(existing)} checkpoint(s) up to "
+                    f"{existing[-1][1].name}; use another run.name or checkpoint.dir, or delete them",
+                )
+            return None
+        for tmp in checkpoint.remove_stale_temps(directory):
+            log.warning("removed %s left by an interrupted save", tmp.name)
+        return checkpoint.load_latest(directory)
 
     def _apply(self, state: dict[str, Any], path: str) -> None:
         try:
@@ -308,9 +328,8 @@ class Trainer:
             log.warning(
                 "stopped by SIGTERM after step %d, checkpoint saved; exit %d", self.step, exitcodes.SIGTERM
             )
-            print(
-                f"ddp-train: stopped rank={env.rank} world={env.world_size} step={self.step} signal=SIGTERM",
-                flush=True,
+            emit_line(
+                f"ddp-train: stopped rank={env.rank} world={env.world_size} step={self.step} signal=SIGTERM"
             )
             return exitcodes.SIGTERM
         return self._final_check()
@@ -347,10 +366,9 @@ class Trainer:
         digest = params_sha256(self.model)
         digests = distributed.all_gather_objects(digest)
         env = self.env
-        print(
+        emit_line(
             f"ddp-train: final rank={env.rank} world={env.world_size} step={self.step} "
-            f"loss={self.last_loss:.6f} params_sha256={digest[:16]}",
-            flush=True,
+            f"loss={self.last_loss:.6f} params_sha256={digest[:16]}"
         )
         if len(set(digests)) != 1:
             log.error("ranks ended with different parameters: %s", ", ".join(d[:16] for d in digests))
@@ -362,19 +380,25 @@ def run(cfg: Config, source: str = "config") -> int:
     """Run one rank (alone or under torchrun): set up the process group, train, tear it down."""
     stop = StopRequest()
     stop.install()  # from here on SIGTERM means "finish the step, save, exit 143"
+    trainer: Trainer | None = None
     try:
         env = distributed.read_env()
         setup_logging(env.rank, cfg.log.level)
         device = distributed.select_device(cfg.dist, env)
         distributed.init(cfg.dist, env, device)
-        code = Trainer(cfg, env, device, stop).fit()
+        trainer = Trainer(cfg, env, device, stop)
+        code = trainer.fit()
         distributed.barrier()  # no rank tears down its connections while a peer still uses them
         return code
     except ConfigError as exc:
         if exc.source == "config":
             exc = ConfigError(source, exc.field, exc.message)
-        print(f"ddp-train: error: {exc}", file=sys.stderr, flush=True)
+        emit_line(f"ddp-train: error: {exc}", sys.stderr)
         return exitcodes.BAD_INPUT
     finally:
+        # DDP's reducer keeps the process group alive; free it now, while the interpreter is intact
+        # (a gloo group destroyed during interpreter shutdown can abort the process with SIGABRT).
+        trainer = None
+        gc.collect()
         distributed.shutdown()
         stop.restore()
