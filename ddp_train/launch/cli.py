@@ -13,8 +13,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ddp_train.launch.errors import LaunchError, one_line
+
+if TYPE_CHECKING:  # the heavy modules load only when a command needs them
+    from ddp_train.launch.plan import JobPlan, NodePlan
 
 DEFAULT_INVENTORY = "inventory/local"
 EXIT_USAGE, EXIT_PREFLIGHT = 2, 3
@@ -134,7 +138,7 @@ def _usage(message: str) -> int:
     return EXIT_USAGE
 
 
-def _plan(opts: argparse.Namespace, trainer_args: list[str], doctor: bool):  # noqa: ANN202 - JobPlan
+def _plan(opts: argparse.Namespace, trainer_args: list[str], doctor: bool) -> JobPlan:
     from ddp_train.launch.inventory import ENV_NAME, load_nodes
     from ddp_train.launch.plan import Options, build_plan
 
@@ -197,7 +201,7 @@ def _check_config(path: str | None, overrides: Sequence[str]) -> str | None:
     return path
 
 
-def _dry_run(plan) -> int:  # noqa: ANN001
+def _dry_run(plan: JobPlan) -> int:
     from ddp_train.launch.plan import command
 
     print(
@@ -210,7 +214,7 @@ def _dry_run(plan) -> int:  # noqa: ANN001
     return 0
 
 
-def _doctor(plan, opts: argparse.Namespace) -> int:  # noqa: ANN001
+def _doctor(plan: JobPlan, opts: argparse.Namespace) -> int:
     from ddp_train.launch.preflight import run_preflight
 
     report = run_preflight(plan, connect_timeout=opts.connect_timeout, net_timeout=opts.net_timeout)
@@ -225,7 +229,7 @@ def _doctor(plan, opts: argparse.Namespace) -> int:  # noqa: ANN001
     return EXIT_PREFLIGHT
 
 
-def _launch(plan, opts: argparse.Namespace) -> int:  # noqa: ANN001
+def _launch(plan: JobPlan, opts: argparse.Namespace) -> int:
     from ddp_train.launch.job import Job
     from ddp_train.launch.logs import JobLog
     from ddp_train.launch.plan import command
@@ -254,7 +258,7 @@ def _launch(plan, opts: argparse.Namespace) -> int:  # noqa: ANN001
             log.note(f"preflight ok on {len(plan.nodes)} nodes")
         if plan.config:
 
-            def ship(p) -> str | None:  # noqa: ANN001
+            def ship(p: NodePlan) -> str | None:
                 try:
                     s = sessions.get(p.node.name) or open_session(p.node, opts.connect_timeout)
                     sessions[p.node.name] = s
@@ -266,7 +270,9 @@ def _launch(plan, opts: argparse.Namespace) -> int:  # noqa: ANN001
             errors = [e for e in parallel(ship, list(plan.nodes)) if e]
             if errors:
                 for e in errors:
-                    log.note(f"cannot copy --config: {e}")
+                    log.note(f"cannot copy --config: {e}; nothing was started")
+                for s in sessions.values():
+                    s.close()
                 return 1
             (log.dir / Path(plan.config).name).write_bytes(Path(plan.config).read_bytes())
         job = Job(

@@ -13,7 +13,8 @@ import secrets
 import shlex
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from ddp_train.launch.errors import LaunchError
 from ddp_train.launch.inventory import Node
@@ -119,7 +120,7 @@ def build_plan(nodes: Sequence[Node], options: Options) -> JobPlan:
     return JobPlan(job_id=job_id, nodes=plans, master_addr=addr, master_port=port, config=options.config)
 
 
-def _same(nodes: Sequence[Node], var: str, get):  # noqa: ANN001, ANN202 - small internal helper
+def _same(nodes: Sequence[Node], var: str, get: Callable[[Node], Any]) -> Any:
     """A job-level variable: it must have one value on every node."""
     values = {n.name: get(n) for n in nodes}
     distinct = set(values.values())

@@ -25,7 +25,7 @@ from ddp_train.launch.remote import RemoteError, Session, Stream, open_session
 
 PROBE_MARK = "DDP-PROBE "
 FINGERPRINT = "ddp-train-fingerprint.json"
-COMPARED = ("python", "torch", "cuda", "nccl", "gpus", "ddp_train")
+COMPARED = ("python_minor", "torch", "cuda", "nccl", "gpus", "ddp_train")  # must be equal on every node
 
 # Runs with the node's venv python and env: versions, GPUs, hostname resolution, files the job needs.
 PROBE = r"""
@@ -218,13 +218,10 @@ def run_preflight(plan: JobPlan, connect_timeout: float = 10, net_timeout: float
     checks = [NodeCheck(p) for p in plan.nodes]
     parallel(lambda c: _probe(c, connect_timeout), checks)
     _compare_versions(checks)
+    _compare_patch_level(checks)
     for c in checks:
         _check_node_facts(c, plan)
     _check_network(plan, checks, net_timeout)
-    return report_of(checks)
-
-
-def report_of(checks: list[NodeCheck]) -> Report:
     return Report(checks=checks)
 
 
@@ -260,6 +257,7 @@ def _probe(c: NodeCheck, connect_timeout: float) -> None:
         c.fail(f"{python} failed: {last}")
         return
     c.facts = json.loads(found[-1][len(PROBE_MARK) :])
+    c.facts["python_minor"] = ".".join(str(c.facts.get("python", "")).split(".")[:2])
     if code != 0:
         c.warnings.append(f"probe exited {code}")
 
@@ -329,6 +327,17 @@ def _compare_versions(checks: list[NodeCheck]) -> None:
         for c in probed:
             if values[c.name] != reference:
                 c.fail(f"{key} {values[c.name]} differs from {reference} on {', '.join(holders)}")
+
+
+def _compare_patch_level(checks: list[NodeCheck]) -> None:
+    """Python patch releases may differ (a warning): pickles and wheels are per minor version."""
+    versions = {c.name: c.facts.get("python") for c in checks if c.facts.get("python")}
+    if len(set(versions.values())) > 1:
+        for c in checks:
+            if c.name in versions:
+                c.warnings.append(
+                    f"python {versions[c.name]}; the nodes run {', '.join(sorted(set(versions.values())))}"
+                )
 
 
 def _check_network(plan: JobPlan, checks: list[NodeCheck], timeout: float) -> None:

@@ -19,9 +19,14 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ddp_train.launch.errors import one_line
 from ddp_train.launch.inventory import Node, SshTarget
+
+if TYPE_CHECKING:  # paramiko/fabric load on first connection, not for --dry-run
+    import paramiko
+    from fabric import Connection
 
 DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
 LOST = "ssh connection lost"
@@ -138,7 +143,7 @@ class LocalSession(Session):
 
 
 class _SshStream(Stream):
-    def __init__(self, channel, transport) -> None:  # noqa: ANN001 - paramiko objects
+    def __init__(self, channel: paramiko.Channel, transport: paramiko.Transport) -> None:
         self.channel = channel
         self.transport = transport
         self.lost: str | None = None
@@ -244,7 +249,7 @@ def known_hosts_files(target: SshTarget) -> list[str]:
     return files
 
 
-def _host_keys(target: SshTarget):  # noqa: ANN202 - paramiko.HostKeys
+def _host_keys(target: SshTarget) -> tuple[paramiko.HostKeys, str]:
     import paramiko
 
     keys = paramiko.HostKeys()
@@ -258,7 +263,7 @@ def _host_keys(target: SshTarget):  # noqa: ANN202 - paramiko.HostKeys
     return keys, server
 
 
-def _connect(name: str, target: SshTarget, timeout: float):  # noqa: ANN202 - fabric.Connection
+def _connect(name: str, target: SshTarget, timeout: float) -> Connection:
     gateway = target.proxy_command
     for hop in filter(None, (j.strip() for j in (target.proxy_jump or "").split(","))):
         user, _, hostport = hop.rpartition("@")
@@ -285,7 +290,7 @@ def _connect(name: str, target: SshTarget, timeout: float):  # noqa: ANN202 - fa
     return conn
 
 
-def _connection(target: SshTarget, timeout: float, gateway):  # noqa: ANN001, ANN202
+def _connection(target: SshTarget, timeout: float, gateway: Connection | str | None) -> Connection:
     """An unopened Fabric Connection that knows the host keys and rejects unknown ones."""
     import paramiko
     from fabric import Config, Connection
@@ -342,7 +347,7 @@ def _explain(e: BaseException, target: SshTarget, server: str, timeout: float) -
     return f"ssh failed: {type(e).__name__}: {one_line(str(e))}"
 
 
-def _keepalive(conn) -> None:  # noqa: ANN001
+def _keepalive(conn: Connection) -> None:
     """Notice a dead peer in ~20 s instead of TCP's default ~15 min, so fail-fast covers node loss."""
     transport = conn.transport
     transport.set_keepalive(5)

@@ -88,3 +88,12 @@ def test_a_dead_local_worker_stops_the_other_node(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)
+
+
+def test_timeout_stops_the_job_with_exit_124(tmp_path: Path) -> None:
+    slow = ["--set", "train.max_steps=2000", "--set", "debug.step_delay_s=0.2"]
+    proc = start(["--job-id", "le-timeout", "--timeout", "12", "--grace", "5", *slow], tmp_path)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 124, out
+    assert "--timeout 12s reached: stopping every node" in out
+    assert "no process of job le-timeout remains" in out and job_pids("le-timeout") == []

@@ -6,6 +6,7 @@ and /tmp with this machine, so the project's own venv (sys.prefix) is each node'
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -193,6 +194,12 @@ def test_three_hosts_run_to_the_end_with_identical_params(testbed: Testbed, tmp_
         assert lines and all(f" [node{i} r{i}] " in ln for ln in lines)
         assert any("ddp-train: final" in ln for ln in lines)
     assert "no process of job lt-ok remains" in out
+    summary = json.loads((logs / "summary.json").read_text())
+    assert summary["exit_code"] == 0 and summary["master"]["addr"] == tb.hosts()[0].ip
+    assert [(n["host"], n["rank"], n["status"]) for n in summary["nodes"]] == [
+        ("node0", 0, "ok"), ("node1", 1, "ok"), ("node2", 2, "ok"),
+    ]  # fmt: skip
+    assert (logs / "train.yaml").read_text() == config.read_text()  # the config that ran, kept with the logs
     assert_nothing_left(tb, "lt-ok")
     # the env value crossed SSH, env and torchrun unchanged and ran nothing
     seen = {p.name.split("-")[0]: p.read_text() for p in probe.iterdir() if p.name.startswith("node")}
