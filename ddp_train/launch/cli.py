@@ -21,6 +21,14 @@ if TYPE_CHECKING:  # the heavy modules load only when a command needs them
     from ddp_train.launch.plan import JobPlan, NodePlan
 
 DEFAULT_INVENTORY = "inventory/local"
+EPILOG = """examples:
+  ddp-launch --hosts inventory/local                       # two local nodes, no SSH
+  ddp-launch doctor --hosts inventory/prod                 # preflight table, starts nothing
+  ddp-launch --hosts inventory/prod --limit 'gpu[01:04]' --config train.yaml --set train.max_steps=500
+  ddp-launch --hosts inventory/prod --dry-run -- --extra-trainer-arg
+
+exit codes: 0 ok; 1 a node failed, could not start or was lost; 2 bad input; 3 preflight failed;
+  124 --timeout; 128+N stopped by signal N (130 = Ctrl-C)."""
 EXIT_USAGE, EXIT_PREFLIGHT = 2, 3
 
 
@@ -33,12 +41,14 @@ def _parser(doctor: bool) -> argparse.ArgumentParser:
     p = _Parser(
         prog="ddp-launch doctor" if doctor else "ddp-launch",
         description=(
-            "Check every node of the inventory (versions, SSH, ports) and print a table."
+            "Check every node of the inventory (SSH, versions, ports, hostnames) and print a table."
             if doctor
-            else "Start torchrun + the ddp_train trainer on every node of an Ansible inventory at once. "
-            "Arguments after `--` go to the trainer. `ddp-launch doctor --help` for the checks alone."
+            else "Start torchrun + the ddp_train trainer on every node of an Ansible inventory at once.\n"
+            "Arguments after `--` go to the trainer. `ddp-launch doctor --help`: the checks alone."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        usage="ddp-launch doctor [options]" if doctor else "ddp-launch [run] [options] [-- trainer args]",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     inv = p.add_argument_group("inventory (read with Ansible's own API)")
     inv.add_argument(
@@ -77,13 +87,15 @@ def _parser(doctor: bool) -> argparse.ArgumentParser:
         help="NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,NET, TORCH_DISTRIBUTED_DEBUG=DETAIL",
     )
     net = p.add_argument_group("connections")
-    net.add_argument("--connect-timeout", type=float, default=10, metavar="S", help="SSH connect timeout")
+    net.add_argument(
+        "--connect-timeout", type=float, default=10, metavar="S", help="SSH connect timeout [10]"
+    )
     net.add_argument(
         "--net-timeout",
         type=float,
         default=3,
         metavar="S",
-        help="preflight: timeout of each node-to-node TCP probe",
+        help="preflight: timeout of each node-to-node TCP probe [3]",
     )
     if doctor:
         return p
@@ -97,9 +109,19 @@ def _parser(doctor: bool) -> argparse.ArgumentParser:
         help="trainer config override (repeatable)",
     )
     job.add_argument("--max-restarts", type=int, metavar="R", help="passed to torchrun")
+    job.add_argument(
+        "--rdzv",
+        choices=("static", "c10d"),
+        help="torchrun rendezvous [static; c10d when --max-restarts > 0 on several nodes, "
+        "since a static rendezvous cannot restart one node's workers]",
+    )
     job.add_argument("--job-id", help="job id (tags every process, names logs/<job>) [generated]")
-    job.add_argument("--log-dir", default="logs", metavar="DIR", help="logs go to DIR/<job>/<host>.log")
-    job.add_argument("--grace", type=float, default=10, metavar="S", help="seconds between TERM and KILL")
+    job.add_argument(
+        "--log-dir", default="logs", metavar="DIR", help="logs go to DIR/<job>/<host>.log [logs]"
+    )
+    job.add_argument(
+        "--grace", type=float, default=10, metavar="S", help="seconds between TERM and KILL at teardown [10]"
+    )
     job.add_argument("--timeout", type=float, metavar="S", help="stop the job after S seconds (exit 124)")
     job.add_argument("--skip-preflight", action="store_true", help="launch without the preflight checks")
     job.add_argument("--dry-run", action="store_true", help="print the exact command of every node and exit")
@@ -177,6 +199,7 @@ def _plan(opts: argparse.Namespace, trainer_args: list[str], doctor: bool) -> Jo
         trainer_args=tuple(trainer_args),
         env=env,
         debug=opts.debug,
+        rdzv=None if doctor else opts.rdzv,
     )
     return build_plan(nodes, options)
 
@@ -204,10 +227,9 @@ def _check_config(path: str | None, overrides: Sequence[str]) -> str | None:
 def _dry_run(plan: JobPlan) -> int:
     from ddp_train.launch.plan import command
 
-    print(
-        f"# job {plan.job_id}: {len(plan.nodes)} nodes, MASTER_ADDR={plan.master_addr} "
-        f"MASTER_PORT={plan.master_port}"
-    )
+    where = (f"MASTER_ADDR={plan.master_addr} MASTER_PORT={plan.master_port}" if plan.rdzv == "static"
+             else f"c10d rendezvous at {plan.master_addr}:{plan.master_port}")  # fmt: skip
+    print(f"# job {plan.job_id}: {len(plan.nodes)} nodes, {where}")
     for p in plan.nodes:
         print(f"# [{p.label}] {p.node.where}")
         print(command(p, masked=True))

@@ -40,6 +40,7 @@ class Options:
     trainer_args: Sequence[str] = ()
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     debug: bool = False
+    rdzv: str | None = None  # static | c10d; None: c10d when restarts are allowed on several nodes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +48,7 @@ class NodePlan:
     """One node's part of the job."""
 
     node: Node
-    rank: int
+    rank: int  # the node rank torchrun will use
     env: Mapping[str, str]
     argv: tuple[str, ...]  # torchrun and its arguments
     config_path: str | None  # where --config lives on this node
@@ -62,14 +63,16 @@ class JobPlan:
     """The whole job: every node's plan, master address and port."""
 
     job_id: str
-    nodes: tuple[NodePlan, ...]
-    master_addr: str
+    nodes: tuple[NodePlan, ...]  # in node-rank order
+    master_addr: str  # static: MASTER_ADDR; c10d: the rendezvous endpoint's host
     master_port: int
     config: str | None
+    master_name: str
+    rdzv: str = "static"
 
     @property
     def master(self) -> NodePlan:
-        return self.nodes[0]
+        return next(p for p in self.nodes if p.node.name == self.master_name)
 
     @property
     def all_local(self) -> bool:
@@ -113,11 +116,45 @@ def build_plan(nodes: Sequence[Node], options: Options) -> JobPlan:
     master = ordered[0]
     port = options.master_port or _same(nodes, "ddp_master_port", lambda n: n.master_port)
     explicit = _same(nodes, "ddp_master_addr", lambda n: n.master_addr)
-    addr = master_address(master, explicit, all_local=all(n.local for n in ordered))
+    all_local = all(n.local for n in ordered)
+    addr = master_address(master, explicit, all_local=all_local)
+    rdzv = options.rdzv or ("c10d" if (options.max_restarts or 0) > 0 and len(ordered) > 1 else "static")
+    if rdzv not in ("static", "c10d"):
+        raise LaunchError(f"--rdzv {rdzv!r}: static or c10d")
+    if rdzv == "static":
+        rdzv_args = [["--master-addr", addr, "--master-port", str(port)]] * len(ordered)
+    else:
+        ordered, rdzv_args = _c10d_order(ordered, addr, port, job_id, all_local)
     plans = tuple(
-        _node_plan(node, rank, len(ordered), addr, port, job_id, options) for rank, node in enumerate(ordered)
+        _node_plan(node, rank, len(ordered), rdzv_args[rank], job_id, options, rdzv == "static")
+        for rank, node in enumerate(ordered)
     )
-    return JobPlan(job_id=job_id, nodes=plans, master_addr=addr, master_port=port, config=options.config)
+    return JobPlan(job_id=job_id, nodes=plans, master_addr=addr, master_port=port, config=options.config,
+                   master_name=master.name, rdzv=rdzv)  # fmt: skip
+
+
+def _c10d_order(
+    nodes: list[Node], addr: str, port: int, job_id: str, all_local: bool
+) -> tuple[list[Node], list[list[str]]]:
+    """c10d rendezvous: torchrun numbers the nodes by sorting their --local-addr as text.
+
+    Each node advertises its own IP (never a hostname that may not resolve); nodes that all run on
+    this machine get distinct loopback addresses so their order, and so their ranks, are known.
+    """
+    local_addrs = {}
+    for i, node in enumerate(nodes):
+        ip = f"127.0.0.{i + 1}" if all_local else resolve(node.address)
+        if not all_local and ipaddress.ip_address(ip).is_loopback:
+            raise LaunchError(
+                f"{node.name}: ansible_host {node.address!r} is {ip}, which other nodes cannot reach"
+            )
+        local_addrs[node.name] = ip
+    if len(set(local_addrs.values())) != len(nodes):
+        raise LaunchError(f"two nodes share an address ({local_addrs}); c10d rendezvous needs one per node")
+    ordered = sorted(nodes, key=lambda n: local_addrs[n.name])
+    endpoint = f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+    common = ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job_id]
+    return ordered, [[*common, "--local-addr", local_addrs[n.name]] for n in ordered]
 
 
 def _same(nodes: Sequence[Node], var: str, get: Callable[[Node], Any]) -> Any:
@@ -160,9 +197,14 @@ def master_address(master: Node, explicit: str | None, all_local: bool) -> str:
 
 
 def _node_plan(
-    node: Node, rank: int, nnodes: int, addr: str, port: int, job_id: str, options: Options
+    node: Node, rank: int, nnodes: int, rdzv_args: list[str], job_id: str, options: Options, static: bool
 ) -> NodePlan:
     env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if not static:
+        # torch shares the c10d rendezvous store with the workers by default, and a restarted round then
+        # reads the previous round's peer addresses (gloo: "Connection refused"); a fresh store per round
+        # is what makes --max-restarts work across nodes.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env.update(node.env)
     env.update(options.env)
     if options.debug:
@@ -174,12 +216,8 @@ def _node_plan(
         str(nnodes),
         "--nproc-per-node",
         options.nproc_per_node or node.nproc,
-        "--node-rank",
-        str(rank),
-        "--master-addr",
-        addr,
-        "--master-port",
-        str(port),
+        *(["--node-rank", str(rank)] if static else []),
+        *rdzv_args,
     ]
     if options.max_restarts is not None:
         argv += ["--max-restarts", str(options.max_restarts)]

@@ -342,7 +342,7 @@ def _compare_patch_level(checks: list[NodeCheck]) -> None:
 
 def _check_network(plan: JobPlan, checks: list[NodeCheck], timeout: float) -> None:
     ready = [c for c in checks if c.facts and c.session is not None]
-    master = checks[0]
+    master = next(c for c in checks if c.name == plan.master_name)
     if master not in ready:
         if master.failures:
             for c in ready:
@@ -410,10 +410,13 @@ def _check_network(plan: JobPlan, checks: list[NodeCheck], timeout: float) -> No
 
         parallel(connect, ready)
     finally:
-        for stream, _ in started:
-            if stream is not None:
-                stream.close_stdin()
-                stream.close()
+        # EOF ends every listener; wait for it so MASTER_PORT is free again before torchrun binds it
+        streams = [s for s, _ in started if s is not None]
+        for s in streams:
+            s.close_stdin()
+        for s in streams:
+            s.wait(timeout=5)
+            s.close()
 
 
 def _addresses(plan: JobPlan, checks: list[NodeCheck]) -> dict[str, str]:

@@ -285,6 +285,34 @@ def test_sigint_to_the_launcher_stops_every_host(testbed: Testbed, tmp_path: Pat
     assert_nothing_left(tb, "lt-int")
 
 
+def test_max_restarts_restarts_every_node_and_the_trainer_resumes(
+    testbed: Testbed, tmp_path: Path, started
+) -> None:
+    tb = testbed
+    inv = make_inventory(tb, tmp_path)
+    args = [
+        "--set",
+        "train.max_steps=40",
+        "--set",
+        "debug.step_delay_s=0.2",
+        "--set",
+        "checkpoint.interval_steps=10",
+    ]
+    run = Launcher(["--hosts", str(inv), "--job-id", "lt-rs", "--max-restarts", "1", *args], tmp_path)
+    started.append(run)
+    run.wait_for(r"\[node0 r0\] .*saved .*step-00000010", timeout=120)
+    os.kill(workers(tb, tb.hosts()[1], "lt-rs")[0], signal.SIGKILL)
+    code = run.wait(timeout=240)
+    assert code == 0, run.text
+    assert re.search(r"resumed from .*step-000000[1-4]0\.pt", run.text), run.text
+    finals = [m.groups() for m in map(FINAL.match, run.lines) if m]
+    assert sorted(f[:5] for f in finals) == [
+        ("node0", "0", "0", "3", "40"), ("node1", "1", "1", "3", "40"), ("node2", "2", "2", "3", "40"),
+    ]  # fmt: skip
+    assert len({f[5] for f in finals}) == 1
+    assert_nothing_left(tb, "lt-rs")
+
+
 def test_preflight_reports_blocked_master_port_and_torch_mismatch_before_launch(
     testbed: Testbed, tmp_path: Path
 ) -> None:

@@ -65,7 +65,7 @@ def test_options_and_trainer_args() -> None:
     opts = Options(
         job_id="j", nproc_per_node="gpu", master_port=30001, max_restarts=2, config="/home/me/train.yaml",
         overrides=("train.max_steps=5",), trainer_args=("--extra", "a b"), env={"NCCL_DEBUG": "WARN"},
-        debug=True,
+        debug=True, rdzv="static",
     )  # fmt: skip
     p = build_plan(cluster(workdir="/srv/w"), opts).nodes[1]
     a = p.argv
@@ -162,3 +162,23 @@ def test_secrets_are_masked_in_the_displayed_command() -> None:
     assert "HF_TOKEN=***" in shown and "wandb.api_key=***" in shown and "PLAIN=visible" in shown
     assert set(plan.secrets()) == {"hf_abc123", "pw-9", "k-77"}
     assert mask_text("token hf_abc123 and pw-9", plan.secrets()) == "token *** and ***"
+
+
+def test_restarts_on_several_nodes_use_c10d_with_ip_local_addrs() -> None:
+    nodes = [node("a", "10.0.0.10"), node("b", "10.0.0.9"), node("c", "10.0.0.11")]
+    plan = build_plan(nodes, Options(job_id="rj", max_restarts=1))
+    assert plan.rdzv == "c10d" and plan.master.node.name == "a" and plan.master_addr == "10.0.0.10"
+    # torchrun's c10d rendezvous ranks nodes by their --local-addr sorted as text; labels follow it
+    assert [(p.node.name, p.rank) for p in plan.nodes] == [("a", 0), ("c", 1), ("b", 2)]
+    for p in plan.nodes:
+        a = p.argv
+        assert "--node-rank" not in a and "--master-addr" not in a
+        assert a[a.index("--rdzv-endpoint") + 1] == "10.0.0.10:29500" and a[a.index("--rdzv-id") + 1] == "rj"
+        assert a[a.index("--local-addr") + 1] == p.node.address
+        assert a[a.index("--max-restarts") + 1] == "1"
+        assert p.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert build_plan(nodes, Options(max_restarts=0)).rdzv == "static"
+    assert build_plan(nodes[:1], Options(max_restarts=3)).rdzv == "static"  # one node restarts alone
+    locals_ = [node(f"l{i}", "127.0.0.1", local=True, ssh=None) for i in range(2)]
+    plan = build_plan(locals_, Options(rdzv="c10d"))
+    assert [p.argv[p.argv.index("--local-addr") + 1] for p in plan.nodes] == ["127.0.0.1", "127.0.0.2"]
