@@ -21,7 +21,7 @@ from ddp_train.launch.errors import one_line
 from ddp_train.launch.logs import JobLog, first_error, table
 from ddp_train.launch.plan import PGID_MARKER, JobPlan, NodePlan, command
 from ddp_train.launch.preflight import parallel
-from ddp_train.launch.remote import RemoteError, Session, Stream, open_session
+from ddp_train.launch.remote import LOST, RemoteError, Session, Stream, open_session
 
 EXIT_OK, EXIT_FAILED, EXIT_TIMEOUT = 0, 1, 124
 # A node whose error only says a peer went away is a victim, not the cause.
@@ -77,7 +77,7 @@ class NodeRun:
         if self.error:
             return "not started"
         if self.lost:
-            return "ssh lost"
+            return "ssh lost" if self.lost.startswith(LOST) else "no exit status"
         if self.code is None:
             return "unknown (still running?)"
         base = (
@@ -119,18 +119,18 @@ class Job:
     def run(self) -> int:
         """Launch, wait, tear down on failure/signal, verify nothing is left; return the exit code."""
         t0 = time.monotonic()
-        previous = self._trap_signals()
+        previous = (
+            self._trap_signals()
+        )  # kept through teardown and verification: Ctrl-C never cuts them short
         try:
             code = self._run()
+            leftovers = self._verify() if self.launched else {}
+            self._summary(code, leftovers, time.monotonic() - t0)
         finally:
             self._restore_signals(previous)
-        leftovers = self._verify() if self.launched else {}
-        self._summary(code, leftovers, time.monotonic() - t0)
-        for s in list(self.control.values()) + [r.session for r in self.runs if r.session]:
-            s.close()
-        if leftovers and code == EXIT_OK:
-            code = EXIT_FAILED
-        return code
+            for s in list(self.control.values()) + [r.session for r in self.runs if r.session]:
+                s.close()
+        return EXIT_FAILED if leftovers and code == EXIT_OK else code
 
     def _run(self) -> int:
         self.log.note(
