@@ -159,7 +159,7 @@ class ShardedBatches:
         pin_memory: bool = False,
         index_log: Path | None = None,
     ) -> None:
-        self.dataset, self.batch_size, self.rank = dataset, batch_size, rank
+        self.dataset, self.batch_size, self.rank, self.seed = dataset, batch_size, rank, seed
         self.num_workers, self.pin_memory, self.index_log = num_workers, pin_memory, index_log
         self.sampler = DistributedSampler(
             dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
@@ -200,8 +200,14 @@ class ShardedBatches:
                 f.write(json.dumps(record) + "\n")
         bs = self.batch_size
         batches = [indices[i * bs : (i + 1) * bs] for i in range(self.position, self.batches_per_epoch)]
+        # An own generator: a DataLoader otherwise draws its worker base seed from the global RNG, so a
+        # loader created at a resume point would shift dropout's random stream against an unbroken run.
         loader = DataLoader(
-            self.dataset, batch_sampler=batches, num_workers=self.num_workers, pin_memory=self.pin_memory
+            self.dataset,
+            batch_sampler=batches,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            generator=torch.Generator().manual_seed(self.seed + self.epoch),
         )
         self._it = iter(loader)
 

@@ -11,6 +11,8 @@ import datetime
 import inspect
 import os
 import pickle
+import secrets
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +34,7 @@ class DistEnv:
     master_addr: str | None = None
     master_port: int | None = None
     distributed: bool = False
+    agent_store: bool = False  # TORCHELASTIC_USE_AGENT_STORE: torchrun's store, shared across restarts
 
     @property
     def is_main(self) -> bool:
@@ -65,6 +68,7 @@ def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         master_addr=env.get("MASTER_ADDR"),
         master_port=int(port) if port and port.isdigit() else None,
         distributed=True,
+        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
     )
 
 
@@ -97,11 +101,52 @@ def init(cfg: DistConfig, env: DistEnv, device: torch.device) -> str | None:
     if not env.distributed:
         return None
     backend = select_backend(cfg, device)
-    kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=cfg.init_timeout_s)}
+    timeout = datetime.timedelta(seconds=cfg.init_timeout_s)
+    kwargs: dict[str, Any] = {"timeout": timeout}
     if backend == "nccl" and "device_id" in inspect.signature(dist.init_process_group).parameters:
         kwargs["device_id"] = device  # eager NCCL init bound to this rank's GPU (torch >= 2.3)
-    dist.init_process_group(backend=backend, **kwargs)
+    if not env.agent_store:
+        dist.init_process_group(backend=backend, **kwargs)
+        return backend
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    namespace = _fresh_namespace(store, rank, world, cfg.init_timeout_s)
+    dist.init_process_group(
+        backend=backend, store=dist.PrefixStore(namespace, store), rank=rank, world_size=world, **kwargs
+    )
     return backend
+
+
+def _fresh_namespace(store: dist.Store, rank: int, world: int, timeout_s: float) -> str:
+    """A store prefix that every rank of this group, and no earlier group, agrees on.
+
+    torchrun's agent keeps one TCPStore across --max-restarts rounds and the workers' keys get no
+    per-round prefix (pytorch/pytorch#135712, #167288), so a restarted group can read the dead group's
+    gloo/NCCL addresses and fail with "connection refused". TORCHELASTIC_RESTART_COUNT is not the same
+    on every node, so rank 0 instead publishes a random nonce; the others acknowledge it. A stale nonce
+    is recognised by its overfull acknowledgement count, or simply replaced when rank 0 publishes.
+    """
+    base = "ddp_train/pg"
+    deadline = time.monotonic() + timeout_s
+    if rank == 0:
+        nonce = secrets.token_hex(8)
+        store.set(f"{base}/nonce", nonce)
+        while int(store.add(f"{base}/{nonce}/acks", 0)) < world - 1:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks did not acknowledge the process-group namespace in {timeout_s:g}s")
+            time.sleep(0.02)
+        store.set(f"{base}/{nonce}/go", "1")
+        return f"{base}/{nonce}/"
+    seen, stale = None, True
+    while time.monotonic() < deadline:
+        nonce = store.get(f"{base}/nonce").decode()
+        if nonce != seen:
+            seen = nonce
+            stale = int(store.add(f"{base}/{nonce}/acks", 1)) > world - 1
+        if not stale and store.check([f"{base}/{nonce}/go"]):
+            return f"{base}/{nonce}/"
+        time.sleep(0.02)
+    raise TimeoutError(f"rank 0 did not publish a process-group namespace in {timeout_s:g}s")
 
 
 def shutdown() -> None:
@@ -146,6 +191,13 @@ def _tensor_bytes(t: torch.Tensor, n: int) -> bytes:
 def _pickle(obj: Any, device: torch.device) -> torch.Tensor:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+
+
+def all_reduce_sum_async(tensor: torch.Tensor) -> Any:
+    """Start an in-place sum over ranks; returns the work to wait() on (None alone)."""
+    if not active():
+        return None
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
 
 
 def all_gather_objects(obj: Any) -> list[Any]:

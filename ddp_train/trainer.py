@@ -11,6 +11,7 @@ import random
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -75,13 +76,22 @@ class StopRequest:
 
 
 class _Window:
-    """Throughput over the steps since the last log line."""
+    """Throughput since the last log line, measured in wall-clock time."""
 
-    def __init__(self) -> None:
-        self.seconds, self.tokens, self.steps = 0.0, 0, 0
+    def __init__(self, start: float) -> None:
+        self.start, self.tokens, self.steps = start, 0, 0
 
-    def add(self, seconds: float, tokens: int) -> None:
-        self.seconds, self.tokens, self.steps = self.seconds + seconds, self.tokens + tokens, self.steps + 1
+
+@dataclass
+class _StepStats:
+    """A finished step whose all-reduced [loss, grad norm, stop vote] is read one step later."""
+
+    step: int
+    epoch: int
+    lr: float
+    tokens: int
+    stats: torch.Tensor
+    work: Any  # the async all-reduce (None alone)
 
 
 class Trainer:
@@ -93,6 +103,8 @@ class Trainer:
         self.cfg, self.env, self.device = cfg, env, device
         self.stop = stop or StopRequest()
         self.step, self.last_loss, self.saved_step = 0, float("nan"), -1
+        self._pending: _StepStats | None = None
+        self._flag = torch.zeros((), device=device)
         t = cfg.train
         if t.precision == "fp16" and device.type != "cuda":
             raise ConfigError("config", "train.precision", "'fp16' needs CUDA (use bf16 or fp32 on CPU)")
@@ -290,41 +302,44 @@ class Trainer:
                 total,
                 self.batches.batches_per_epoch,
             )
+        self._bar, self._writer = bar, writer
+        self._window = _Window(time.perf_counter())
         stopped = False
-        window = _Window()
         try:
-            while self.step < total:
+            while self.step < total and not stopped:
                 lr = self.optimizer.param_groups[0]["lr"]
-                t0 = time.perf_counter()
                 loss, gnorm, tokens = self.train_step()
-                flag = torch.tensor(float(self.stop.signum is not None), device=self.device)
-                # One small all-reduce per step: mean loss for the log and the stop vote (a SIGTERM on
-                # any rank stops every rank after the same step, so they all save and exit together).
-                loss_v, gnorm_v, stop_v = distributed.all_reduce_sum(
-                    torch.stack([loss, gnorm, flag])
-                ).tolist()
                 self.step += 1
-                self.last_loss = loss_v / env.world_size
-                window.add(time.perf_counter() - t0, tokens * env.world_size)
-                bar.update(self.step, f"loss {self.last_loss:.4f}")
-                stopped = stop_v > 0
-                if self.step % cfg.log.interval_steps == 0 or self.step == total or stopped:
-                    self._log_step(writer, window, lr, gnorm_v / env.world_size)
-                    window = _Window()
-                if stopped:
-                    break
+                # The mean loss and the stop vote (a SIGTERM on any rank stops every rank after the same
+                # step) travel in one small async all-reduce, read one step later: no per-step GPU sync.
+                flag = self._flag.fill_(0.0 if self.stop.signum is None else 1.0)
+                stats = torch.stack([loss, gnorm, flag])
+                current = _StepStats(
+                    self.step,
+                    self.batches.epoch,
+                    lr,
+                    tokens * env.world_size,
+                    stats,
+                    distributed.all_reduce_sum_async(stats),
+                )
+                stopped = self._drain()
+                self._pending = current
                 interval = cfg.checkpoint.interval_steps
-                if interval and self.step % interval == 0 and self.step < total:
+                if interval and self.step % interval == 0 and self.step < total and not stopped:
+                    stopped = self._drain()
                     self.save()
+                    self._window = _Window(time.perf_counter())
                 if cfg.debug.step_delay_s:
                     time.sleep(cfg.debug.step_delay_s)
+                    self._window.start += cfg.debug.step_delay_s  # keep throughput figures honest
+            stopped = self._drain() or stopped
             bar.close()
             if self.saved_step != self.step:
                 self.save()
         finally:
             bar.close()
             writer.close()
-        if stopped:
+        if stopped and self.step < total:
             log.warning(
                 "stopped by SIGTERM after step %d, checkpoint saved; exit %d", self.step, exitcodes.SIGTERM
             )
@@ -334,29 +349,51 @@ class Trainer:
             return exitcodes.SIGTERM
         return self._final_check()
 
-    def _log_step(self, writer: JsonlWriter, window: _Window, lr: float, grad_norm: float) -> None:
+    def _drain(self) -> bool:
+        """Read the pending step's all-reduced numbers: progress, log line, metrics; True on a stop vote."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return False
+        if p.work is not None:
+            p.work.wait()
+        loss_v, gnorm_v, stop_v = p.stats.tolist()
+        world, cfg = self.env.world_size, self.cfg
+        self.last_loss = loss_v / world
+        window = self._window
+        window.tokens += p.tokens
+        window.steps += 1
+        self._bar.update(p.step, f"loss {self.last_loss:.4f}")
+        stop = stop_v > 0
+        if p.step % cfg.log.interval_steps == 0 or p.step == cfg.train.max_steps or stop:
+            now = time.perf_counter()
+            self._log_step(p, gnorm_v / world, now - window.start, window)
+            self._window = _Window(now)
+        return stop
+
+    def _log_step(self, p: _StepStats, grad_norm: float, seconds: float, window: _Window) -> None:
         cfg, world = self.cfg, self.env.world_size
-        tok_s = window.tokens / window.seconds
+        seconds = max(seconds, 1e-9)
+        tok_s = window.tokens / seconds
         samples = window.steps * cfg.train.batch_size * cfg.train.grad_accum_steps * world
         record: dict[str, Any] = {
-            "step": self.step,
-            "epoch": self.batches.epoch,
+            "step": p.step,
+            "epoch": p.epoch,
             "loss": round(self.last_loss, 6),
-            "lr": lr,
+            "lr": p.lr,
             "grad_norm": round(grad_norm, 6) if cfg.train.grad_clip > 0 else None,
-            "samples_per_s": round(samples / window.seconds, 3),
+            "samples_per_s": round(samples / seconds, 3),
             "tokens_per_s": round(tok_s, 3),
-            "step_time_s": round(window.seconds / window.steps, 6),
+            "step_time_s": round(seconds / window.steps, 6),
         }
         if self.peak:
             record["mfu"] = round(mfu(tok_s, self.flops_per_token, self.peak, world), 5)
-        writer.write(record)
+        self._writer.write(record)
         log.info(
             "step %d/%d loss %.4f lr %.3g %.0f tok/s %.3f s/step%s",
-            self.step,
+            p.step,
             cfg.train.max_steps,
             self.last_loss,
-            lr,
+            p.lr,
             tok_s,
             record["step_time_s"],
             f" mfu {record['mfu']:.1%}" if "mfu" in record else "",

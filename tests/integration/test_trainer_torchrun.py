@@ -214,3 +214,24 @@ def test_single_process_without_torchrun(tmp_path):
     finals = parse_finals(proc.stdout)
     assert finals.by_rank[0]["world"] == 1 and finals.by_rank[0]["step"] == 3
     assert (tmp_path / "runs" / "default" / "checkpoints" / "step-00000003.pt").is_file()
+
+
+def test_max_restarts_resumes_automatically_after_a_killed_worker(work, straight):
+    """torchrun --max-restarts 1: SIGKILL one worker after the step-10 checkpoint; the new group resumes."""
+    args = [*COMMON, *sets(run__dir="elastic", debug__step_delay_s=0.25)]
+    cmd = torchrun_cmd(args)
+    cmd.insert(cmd.index("--standalone") + 1, "--max-restarts=1")
+    proc = subprocess.Popen(
+        cmd, cwd=work, env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _wait_for_step(work / "elastic" / "default" / "metrics.jsonl", 12, proc)
+        os.kill(_worker_with_rank(proc.pid, 1), signal.SIGKILL)
+        out, err = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, f"{out}\n{err[-6000:]}"
+    assert "resumed from" in err and "step-00000010.pt" in err
+    assert parse_finals(out).sha == parse_finals(straight[0].stdout).sha

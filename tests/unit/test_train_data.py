@@ -156,3 +156,13 @@ def test_too_small_dataset_is_a_config_error():
     ds = SyntheticClassification(10, 4, 3, seed=0)
     with pytest.raises(ConfigError, match=r"train.batch_size: 8 per rank x 2 rank"):
         ShardedBatches(ds, 8, 0, 2, 0)
+
+
+def test_loading_batches_never_touches_the_global_rng():
+    """A loader (re)created at a resume point must not shift dropout's random stream."""
+    before = torch.get_rng_state()
+    sb = shards()[0]
+    sb.load_state_dict({"epoch": 1, "position": 3})
+    for _ in range(sb.batches_per_epoch):
+        sb.next()
+    assert torch.equal(torch.get_rng_state(), before)

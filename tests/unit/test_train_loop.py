@@ -126,7 +126,7 @@ def test_resume_is_bit_exact_with_dropout_and_accumulation(tmp_path, capsys):
         "train.batch_size=4",
         "train.grad_accum_steps=2",
         "train.decay_steps=8",
-        "data.synthetic.num_samples=20",  # 2 steps per epoch: resume crosses epochs too
+        "data.synthetic.num_samples=24",  # 3 steps per epoch: resumes mid-epoch, then crosses epochs
         "checkpoint.interval_steps=0",
     ]
     assert train(tmp_path, *common, "train.max_steps=8", "run.name=straight")[0] == 0
