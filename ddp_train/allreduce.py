@@ -23,6 +23,9 @@ import torch
 import torch.distributed as dist
 
 LINE_TAG = "ddp-allreduce"
+# Per backend: (size in MiB, timed iterations, warmup iterations). NCCL needs bigger messages than gloo
+# on CPU before its bandwidth stops being latency-bound.
+DEFAULTS = {"gloo": (16.0, 10, 2), "nccl": (256.0, 20, 5)}
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -40,12 +43,17 @@ def pick_backend(requested: str) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ddp_train.allreduce", description=__doc__.splitlines()[0])
-    p.add_argument("--size-mb", type=float, default=16.0, help="tensor size in MiB (float32)")
-    p.add_argument("--iters", type=int, default=10, help="timed allreduce calls")
-    p.add_argument("--warmup", type=int, default=2, help="untimed allreduce calls before timing")
+    p.add_argument("--size-mb", type=float, help="tensor size in MiB (float32); gloo 16, nccl 256")
+    p.add_argument("--iters", type=int, help="timed allreduce calls; gloo 10, nccl 20")
+    p.add_argument("--warmup", type=int, help="untimed allreduce calls before timing; gloo 2, nccl 5")
     p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto")
     p.add_argument("--timeout-s", type=float, default=120.0, help="process group timeout")
     args = p.parse_args(argv)
+    args.backend = pick_backend(args.backend)
+    size_mb, iters, warmup = DEFAULTS[args.backend]
+    args.size_mb = size_mb if args.size_mb is None else args.size_mb
+    args.iters = iters if args.iters is None else args.iters
+    args.warmup = warmup if args.warmup is None else args.warmup
     if args.size_mb <= 0 or args.iters < 1 or args.warmup < 0 or args.timeout_s <= 0:
         p.error("--size-mb and --timeout-s must be > 0, --iters >= 1, --warmup >= 0")
     return args
@@ -60,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     """Check one allreduce, time `iters` more, print this rank's line; 0 if the sum was right."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
-    backend = pick_backend(args.backend)
+    backend = args.backend
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -83,13 +91,15 @@ def run(args: argparse.Namespace) -> int:
 
         nbytes = numel * tensor.element_size()
         algbw = nbytes / avg_s / 1e9
-        print(
+        line = (
             f"{LINE_TAG} rank={rank} world_size={world_size} local_rank={local_rank} "
             f"host={socket.gethostname()} backend={backend} device={device} bytes={nbytes} "
             f"iters={args.iters} avg_ms={avg_s * 1e3:.3f} algbw_GBps={algbw:.3f} "
-            f"busbw_GBps={bus_bandwidth(algbw, world_size):.3f} ok={int(ok)}",
-            flush=True,
+            f"busbw_GBps={bus_bandwidth(algbw, world_size):.3f} ok={int(ok)}\n"
         )
+        # One write per line: ranks share stdout, and print() may write the newline separately.
+        sys.stdout.write(line)
+        sys.stdout.flush()
         dist.barrier()
         return 0 if ok else 1
     finally:
