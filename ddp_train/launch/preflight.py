@@ -45,17 +45,52 @@ try:
         r["fingerprint"] = json.load(f)
 except (OSError, ValueError):
     pass
+# Importing torch costs seconds per node, so its facts are cached on the node for an hour (as
+# horovodrun caches its SSH checks), keyed by everything that can change them: the python, torch's
+# installed files, the driver, and the env vars that select GPUs and libraries.
+import hashlib, time
+cache_dir = os.path.join(os.path.expanduser("~"), ".cache", "ddp-launch")
+cache_file = None
 try:
-    import torch
-    r["torch"] = torch.__version__
-    r["cuda"] = torch.version.cuda
-    gpu = torch.cuda.is_available()
-    r["gpus"] = torch.cuda.device_count() if gpu else 0
-    if gpu:
-        v = torch.cuda.nccl.version()
-        r["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
-except Exception as e:
-    r["torch_error"] = "%s: %s" % (type(e).__name__, e)
+    spec = importlib.util.find_spec("torch")
+    key = [sys.executable, spec.origin if spec else None]
+    for f in ([os.path.join(os.path.dirname(spec.origin), "version.py")] if spec else []) + [
+            "/proc/driver/nvidia/version"]:
+        try:
+            st = os.stat(f)
+            key.append((f, st.st_mtime_ns, st.st_size))
+        except OSError:
+            key.append((f, None))
+    key += [os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH", "LD_PRELOAD",
+                                         "PYTHONPATH", "NCCL_HOME")]
+    cache_file = os.path.join(cache_dir, "torch-%s.json" % hashlib.sha256(repr(key).encode()).hexdigest()[:24])
+    if os.environ.get("DDP_LAUNCH_PROBE_CACHE", "1") != "0" and time.time() - os.stat(cache_file).st_mtime < 3600:
+        with open(cache_file) as f:
+            r.update(json.load(f))
+            r["torch_cached"] = True
+except (OSError, ValueError):
+    pass
+if "torch" not in r:
+    try:
+        import torch
+        t = {"torch": torch.__version__, "cuda": torch.version.cuda}
+        gpu = torch.cuda.is_available()
+        t["gpus"] = torch.cuda.device_count() if gpu else 0
+        if gpu:
+            v = torch.cuda.nccl.version()
+            t["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        r.update(t)
+        if cache_file:
+            try:
+                os.makedirs(cache_dir, exist_ok=True)
+                tmp = "%s.%d.tmp" % (cache_file, os.getpid())
+                with open(tmp, "w") as f:
+                    json.dump(t, f)
+                os.replace(tmp, cache_file)
+            except OSError:
+                pass
+    except Exception as e:
+        r["torch_error"] = "%s: %s" % (type(e).__name__, e)
 try:
     if importlib.util.find_spec("ddp_train.__main__") is None:
         r["ddp_train_error"] = "ddp_train has no __main__ (python -m ddp_train would fail)"
