@@ -63,8 +63,10 @@ try:
             key.append((f, None))
     key += [os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH", "LD_PRELOAD",
                                          "PYTHONPATH", "NCCL_HOME")]
-    cache_file = os.path.join(cache_dir, "torch-%s.json" % hashlib.sha256(repr(key).encode()).hexdigest()[:24])
-    if os.environ.get("DDP_LAUNCH_PROBE_CACHE", "1") != "0" and time.time() - os.stat(cache_file).st_mtime < 3600:
+    digest = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+    cache_file = os.path.join(cache_dir, "torch-%s.json" % digest)
+    fresh = time.time() - os.stat(cache_file).st_mtime < 3600
+    if fresh and os.environ.get("DDP_LAUNCH_PROBE_CACHE", "1") != "0":
         with open(cache_file) as f:
             r.update(json.load(f))
             r["torch_cached"] = True
