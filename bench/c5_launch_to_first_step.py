@@ -81,7 +81,7 @@ def time_to_first_step(argv: list[str], env: dict[str, str] | None = None, timeo
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--sizes", default="2,4")
     a = p.parse_args()
     sizes = [int(x) for x in a.sizes.split(",")]
