@@ -5,3 +5,4 @@ FAILURE = 1  # an unexpected error (traceback printed)
 BAD_INPUT = 2  # config, --set, plug-in, data file or checkpoint refused with one line
 RANKS_DIFFER = 3  # training finished but the ranks' parameters are not identical
 SIGTERM = 143  # stopped by SIGTERM after saving a checkpoint (128 + 15, as a shell reports it)
+SIGINT = 130  # the same for SIGINT (Ctrl-C)

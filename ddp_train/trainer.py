@@ -56,23 +56,39 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 
 class StopRequest:
-    """Records SIGTERM instead of dying, so the loop can finish the step and save first."""
+    """Records SIGTERM/SIGINT instead of dying, so the loop can finish the step and save first."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        self._previous: Any = None
+        self._previous: dict[int, Any] = {}
 
     def install(self) -> None:
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
 
     def restore(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def vote(self, world_size: int) -> float:
+        """This rank's stop vote: 0 none, 1 SIGTERM, world_size + 1 SIGINT (so sums stay decodable)."""
+        if self.signum is None:
+            return 0.0
+        return float(world_size + 1) if self.signum == signal.SIGINT else 1.0
+
+    @staticmethod
+    def decode(total: float, world_size: int) -> signal.Signals | None:
+        """The signal behind an all-reduced vote (SIGINT wins), or None."""
+        if total <= 0:
+            return None
+        return signal.SIGINT if total > world_size else signal.SIGTERM
 
     def _handle(self, signum: int, _frame: Any) -> None:
         self.signum = signum
-        signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM kills at once
+        signal.signal(signum, signal.SIG_DFL)  # a second signal of the same kind kills at once
 
 
 class _Window:
@@ -280,7 +296,7 @@ class Trainer:
         return loss_sum, gnorm, tokens
 
     def fit(self) -> int:
-        """Train to max_steps (or until SIGTERM), checkpointing; print the final line; exit code."""
+        """Train to max_steps (or until SIGTERM/SIGINT), checkpointing; print the final line; exit code."""
         cfg, env = self.cfg, self.env
         total = cfg.train.max_steps
         show_bar = cfg.log.progress == "always" or (cfg.log.progress == "auto" and sys.stderr.isatty())
@@ -304,7 +320,7 @@ class Trainer:
             )
         self._bar, self._writer = bar, writer
         self._window = _Window(time.perf_counter())
-        stopped = False
+        stopped: signal.Signals | None = None
         try:
             while self.step < total and not stopped:
                 lr = self.optimizer.param_groups[0]["lr"]
@@ -312,7 +328,7 @@ class Trainer:
                 self.step += 1
                 # The mean loss and the stop vote (a SIGTERM on any rank stops every rank after the same
                 # step) travel in one small async all-reduce, read one step later: no per-step GPU sync.
-                flag = self._flag.fill_(0.0 if self.stop.signum is None else 1.0)
+                flag = self._flag.fill_(self.stop.vote(env.world_size))
                 stats = torch.stack([loss, gnorm, flag])
                 current = _StepStats(
                     self.step,
@@ -340,20 +356,20 @@ class Trainer:
             bar.close()
             writer.close()
         if stopped and self.step < total:
+            code = 128 + int(stopped)
             log.warning(
-                "stopped by SIGTERM after step %d, checkpoint saved; exit %d", self.step, exitcodes.SIGTERM
+                "stopped by %s after step %d, checkpoint saved; exit %d", stopped.name, self.step, code
             )
-            emit_line(
-                f"ddp-train: stopped rank={env.rank} world={env.world_size} step={self.step} signal=SIGTERM"
-            )
-            return exitcodes.SIGTERM
+            where = f"rank={env.rank} world={env.world_size} step={self.step}"
+            emit_line(f"ddp-train: stopped {where} signal={stopped.name}")
+            return code
         return self._final_check()
 
-    def _drain(self) -> bool:
-        """Read the pending step's all-reduced numbers: progress, log line, metrics; True on a stop vote."""
+    def _drain(self) -> signal.Signals | None:
+        """Read the pending step's all-reduced numbers (progress, log, metrics); the stop signal if any."""
         p, self._pending = self._pending, None
         if p is None:
-            return False
+            return None
         if p.work is not None:
             p.work.wait()
         loss_v, gnorm_v, stop_v = p.stats.tolist()
@@ -363,7 +379,7 @@ class Trainer:
         window.tokens += p.tokens
         window.steps += 1
         self._bar.update(p.step, f"loss {self.last_loss:.4f}")
-        stop = stop_v > 0
+        stop = StopRequest.decode(stop_v, world)
         if p.step % cfg.log.interval_steps == 0 or p.step == cfg.train.max_steps or stop:
             now = time.perf_counter()
             self._log_step(p, gnorm_v / world, now - window.start, window)
@@ -416,7 +432,7 @@ class Trainer:
 def run(cfg: Config, source: str = "config") -> int:
     """Run one rank (alone or under torchrun): set up the process group, train, tear it down."""
     stop = StopRequest()
-    stop.install()  # from here on SIGTERM means "finish the step, save, exit 143"
+    stop.install()  # from here on SIGTERM/SIGINT mean "finish the step, save, exit 128 + signal"
     trainer: Trainer | None = None
     try:
         env = distributed.read_env()

@@ -166,3 +166,13 @@ def test_loading_batches_never_touches_the_global_rng():
     for _ in range(sb.batches_per_epoch):
         sb.next()
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_worker_processes_read_the_memory_mapped_file(tmp_path):
+    ids = [i % 500 for i in range(2001)]
+    ds = TokenFile(str(write_tokens(tmp_path / "t.bin", ids)), block_size=50, vocab_size=500)
+    inline = ShardedBatches(ds, 4, 0, 2, seed=1)
+    workers = ShardedBatches(ds, 4, 0, 2, seed=1, num_workers=2)
+    for _ in range(6):  # crosses an epoch: workers are started again with the new order
+        (xa, ya), (xb, yb) = inline.next(), workers.next()
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)

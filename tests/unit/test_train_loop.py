@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import signal
 import struct
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -14,7 +17,7 @@ import torch
 from ddp_train import exitcodes
 from ddp_train.config import load_config
 from ddp_train.data import markov_tokens
-from ddp_train.trainer import params_sha256, run
+from ddp_train.trainer import StopRequest, params_sha256, run
 
 FINAL = re.compile(
     r"^ddp-train: final rank=0 world=1 step=(\d+) loss=(\S+) params_sha256=([0-9a-f]{16})$", re.M
@@ -224,3 +227,33 @@ def test_progress_bar_when_forced(tmp_path, capsys):
     assert train(tmp_path, "train.max_steps=3", "log.progress=always")[0] == 0
     err = capsys.readouterr().err
     assert "\r\x1b[K[" in err and "3/3" in err
+
+
+@pytest.mark.parametrize(
+    ("sig", "code"), [(signal.SIGINT, exitcodes.SIGINT), (signal.SIGTERM, exitcodes.SIGTERM)]
+)
+def test_a_signal_mid_run_saves_and_exits_128_plus_signal(tmp_path, capsys, sig, code):
+    before = signal.getsignal(sig)
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), sig))
+    timer.start()
+    try:
+        result, cfg = train(
+            tmp_path, "train.max_steps=200", "debug.step_delay_s=0.05", "checkpoint.interval_steps=0"
+        )
+    finally:
+        timer.cancel()
+    out = capsys.readouterr().out
+    assert result == code
+    m = re.search(rf"^ddp-train: stopped rank=0 world=1 step=(\d+) signal={sig.name}$", out, re.M)
+    assert m and 0 < int(m.group(1)) < 200, out
+    assert (cfg.checkpoint_dir / f"step-{int(m.group(1)):08d}.pt").is_file()
+    assert signal.getsignal(sig) == before  # the previous handler is back
+
+
+def test_stop_votes_decode_to_one_signal_for_every_rank():
+    stop = StopRequest()
+    assert stop.vote(4) == 0 and StopRequest.decode(0, 4) is None
+    stop.signum = signal.SIGTERM
+    assert StopRequest.decode(stop.vote(4) * 3, 4) == signal.SIGTERM  # three ranks got SIGTERM
+    stop.signum = signal.SIGINT
+    assert StopRequest.decode(stop.vote(4) + 3, 4) == signal.SIGINT  # SIGINT on one, SIGTERM on three
