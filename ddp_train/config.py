@@ -224,6 +224,28 @@ def parse_yaml(text: str, source: str) -> Any:
         raise ConfigError(source, None, f"invalid YAML: {exc}") from None
 
 
+def _reject_cycles(data: Any, source: str, parts: tuple = ()) -> None:
+    """Refuse self-referencing YAML aliases (`a: &x [*x]`) and absurd nesting, which no config needs."""
+    try:
+        _walk_cycles(data, source, parts, ())
+    except RecursionError:
+        raise ConfigError(source, None, "nesting too deep") from None
+
+
+MAX_DEPTH = 16  # the schema needs 3 levels; plug-in arguments get some room, not unbounded
+
+
+def _walk_cycles(data: Any, source: str, parts: tuple, stack: tuple) -> None:
+    if isinstance(data, (dict, list)):
+        if len(stack) >= MAX_DEPTH:
+            raise ConfigError(source, _path(parts), f"nested deeper than {MAX_DEPTH} levels")
+        if id(data) in stack:
+            raise ConfigError(source, _path(parts), "recursive YAML alias")
+        items = data.items() if isinstance(data, dict) else enumerate(data)
+        for key, value in items:
+            _walk_cycles(value, source, (*parts, key), (*stack, id(data)))
+
+
 def _read_file(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
@@ -239,6 +261,7 @@ def _read_file(path: str) -> dict:
     data = parse_yaml(text, path)
     if data is None:
         return {}
+    _reject_cycles(data, path)
     if not isinstance(data, dict):
         raise ConfigError(path, None, f"expected a mapping of sections at the top level, got {_kind(data)}")
     return data
@@ -341,6 +364,7 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     if any(not p for p in parts):
         raise ConfigError(source, key, "empty key component")
     value = parse_yaml(raw, source) if raw.strip() else None
+    _reject_cycles(value, source, tuple(parts))
     return parts, value
 
 
@@ -442,6 +466,13 @@ def load_config(path: str | None = None, overrides: tuple[str, ...] | list[str] 
                 return origins[parts[:n]]
         return source
 
+    try:
+        return _validate(data, source, origin)
+    except RecursionError:
+        raise ConfigError(source, None, "nesting too deep") from None
+
+
+def _validate(data: dict, source: str, origin: Any) -> Config:
     errors = sorted(
         _validator().iter_errors(data),
         key=lambda e: (origin(tuple(e.absolute_path)) != source, [str(p) for p in e.absolute_path]),

@@ -138,6 +138,12 @@ BAD_FILES = {
     "heads": ("model:\n  name: gpt\n  gpt: {n_head: 3, n_embd: 64}\n", "model.gpt.n_head: must divide"),
     "min_lr": ("train:\n  lr: 0.001\n  min_lr: 0.01\n", "train.min_lr: 0.01 is greater than train.lr"),
     "tokens_without_path": ("model: {name: gpt}\ndata: {name: tokens}\n", "data.tokens.path: required"),
+    "recursive_alias": ("model:\n  plugin_args: &a {k: *a}\n", "model.plugin_args.k: recursive YAML alias"),
+    "too_deep": (
+        "model:\n  plugin_args:\n    k: " + "[" * 40 + "]" * 40 + "\n",
+        "nested deeper than 16 levels",
+    ),
+    "very_deep": ("x: " + "[" * 3000 + "]" * 3000 + "\n", "invalid YAML: maximum recursion depth exceeded"),
 }
 
 
