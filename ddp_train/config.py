@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -246,10 +247,17 @@ def _walk_cycles(data: Any, source: str, parts: tuple, stack: tuple) -> None:
             _walk_cycles(value, source, (*parts, key), (*stack, id(data)))
 
 
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def _read_file(path: str) -> dict:
     try:
+        if os.path.exists(path) and not os.path.isdir(path) and not os.path.isfile(path):
+            raise ConfigError(path, None, "not a regular file")  # a FIFO or device could block forever
         with open(path, encoding="utf-8") as f:
-            text = f.read()
+            text = f.read(MAX_CONFIG_BYTES + 1)
+        if len(text) > MAX_CONFIG_BYTES:
+            raise ConfigError(path, None, f"larger than {MAX_CONFIG_BYTES} bytes; not a config file")
     except FileNotFoundError:
         raise ConfigError(path, None, "no such file") from None
     except IsADirectoryError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 import textwrap
@@ -168,6 +169,16 @@ def test_bad_file_is_one_line_naming_file_and_field(tmp_path, case):
 def test_missing_file(tmp_path):
     missing = tmp_path / "nope.yaml"
     assert_one_line_error(cli("--config", str(missing)), f"{missing}: no such file")
+
+
+def test_devices_fifos_and_huge_files_are_refused_without_reading_them(tmp_path):
+    assert_one_line_error(cli("--config", "/dev/zero"), "/dev/zero: not a regular file")
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)  # opening it would block forever
+    assert_one_line_error(cli("--config", str(fifo)), f"{fifo}: not a regular file")
+    big = tmp_path / "big.yaml"
+    big.write_text("# " + "x" * (1 << 20) + "\n")
+    assert_one_line_error(cli("--config", str(big)), "not a config file")
 
 
 def test_directory_and_binary_file(tmp_path):
