@@ -226,17 +226,22 @@ def parse_yaml(text: str, source: str) -> Any:
 
 
 def _reject_cycles(data: Any, source: str, parts: tuple = ()) -> None:
-    """Refuse self-referencing YAML aliases (`a: &x [*x]`) and absurd nesting, which no config needs."""
+    """Refuse self-referencing YAML aliases (`a: &x [*x]`), absurd nesting and alias bombs (a few lines
+    of nested aliases that expand to billions of values), which no config needs."""
     try:
-        _walk_cycles(data, source, parts, ())
+        _walk_cycles(data, source, parts, (), [MAX_VALUES])
     except RecursionError:
         raise ConfigError(source, None, "nesting too deep") from None
 
 
 MAX_DEPTH = 16  # the schema needs 3 levels; plug-in arguments get some room, not unbounded
+MAX_VALUES = 100_000  # values once aliases are expanded; every later pass (schema, copies) walks them all
 
 
-def _walk_cycles(data: Any, source: str, parts: tuple, stack: tuple) -> None:
+def _walk_cycles(data: Any, source: str, parts: tuple, stack: tuple, budget: list[int]) -> None:
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise ConfigError(source, _path(parts), f"more than {MAX_VALUES} values after expanding YAML aliases")
     if isinstance(data, (dict, list)):
         if len(stack) >= MAX_DEPTH:
             raise ConfigError(source, _path(parts), f"nested deeper than {MAX_DEPTH} levels")
@@ -244,7 +249,7 @@ def _walk_cycles(data: Any, source: str, parts: tuple, stack: tuple) -> None:
             raise ConfigError(source, _path(parts), "recursive YAML alias")
         items = data.items() if isinstance(data, dict) else enumerate(data)
         for key, value in items:
-            _walk_cycles(value, source, (*parts, key), (*stack, id(data)))
+            _walk_cycles(value, source, (*parts, key), (*stack, id(data)), budget)
 
 
 MAX_CONFIG_BYTES = 1 << 20
