@@ -33,6 +33,7 @@ SSH_CONNECTIONS = (
 )
 LOCAL_CONNECTIONS = ("local", "ansible.builtin.local")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,6 +294,8 @@ def _short(value: Any, limit: int = 60) -> str:
 
 
 def _node(loader: Any, variables: Any, host: Any, extra: Mapping[str, Any], where: str) -> Node:
+    if CONTROL_CHARS.search(host.name):  # Ansible's fact cache raises on NUL; logs need one-line labels
+        raise LaunchError(f"inventory {where}: host {host.name!r}: control characters in a host name")
     v = _Vars(loader, variables, host, extra, where)
     connection = v.text("ansible_connection", default="ssh")
     if connection in LOCAL_CONNECTIONS:
