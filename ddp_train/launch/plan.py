@@ -193,6 +193,18 @@ def master_address(master: Node, explicit: str | None, all_local: bool) -> str:
             f"master {master.name}: {source} {explicit or master.address!r} is {addr}, a loopback address "
             "the other nodes cannot reach; set it (or ddp_master_addr) to the master's cluster IP"
         )
+    cidr = master.network_cidr
+    if cidr and not all_local:
+        # The roles open MASTER_PORT to the training network only: an SSH-network address would hang.
+        try:
+            inside = ipaddress.ip_address(addr) in ipaddress.ip_network(cidr, strict=False)
+        except ValueError as e:
+            raise LaunchError(f"master {master.name}: ddp_network_cidr {cidr!r}: {e}") from None
+        if not inside:
+            raise LaunchError(
+                f"master {master.name}: {source} {addr} is outside ddp_network_cidr {cidr} (the training "
+                "network the firewall opens); set ddp_master_addr to the master's IP in that network"
+            )
     return addr
 
 

@@ -182,3 +182,25 @@ def test_restarts_on_several_nodes_use_c10d_with_ip_local_addrs() -> None:
     locals_ = [node(f"l{i}", "127.0.0.1", local=True, ssh=None) for i in range(2)]
     plan = build_plan(locals_, Options(rdzv="c10d"))
     assert [p.argv[p.argv.index("--local-addr") + 1] for p in plan.nodes] == ["127.0.0.1", "127.0.0.2"]
+
+
+def test_master_outside_the_training_network_is_refused():
+    from ddp_train.launch.errors import LaunchError
+    from ddp_train.launch.inventory import Node
+    from ddp_train.launch.plan import master_address
+
+    node = Node(
+        name="gpu1",
+        address="192.0.2.10",
+        local=False,
+        ssh=None,
+        venv="/v",
+        workdir=None,
+        nproc="1",
+        master_port=29500,
+        env={},
+        network_cidr="198.51.100.0/24",
+    )
+    with pytest.raises(LaunchError, match="outside ddp_network_cidr 198.51.100.0/24.*ddp_master_addr"):
+        master_address(node, None, all_local=False)
+    assert master_address(node, "198.51.100.10", all_local=False) == "198.51.100.10"
