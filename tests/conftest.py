@@ -9,6 +9,12 @@ from pathlib import Path
 
 import pytest
 
+# ansible-core replaces sys.intern with a callable class when it loads an inventory; torch's dynamo
+# registers a polyfill for sys.intern on first use (any optimizer step) and refuses a non-function.
+# The launcher's process never runs an optimizer, but this one test process does both: register the
+# polyfill while sys.intern is still the builtin.
+import torch._dynamo.polyfills.sys  # noqa: F401  (must precede any ansible import)
+
 from tests.testbed import Testbed, TestbedError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
