@@ -150,6 +150,9 @@ def _parse_failure(where: str, notes: list[str], err: Exception) -> str:
     source = text.rsplit("inventory source ", 1)[-1].strip() if "inventory source " in text else where
     failures = [n.split("\t", 2) for n in notes if n.count("\t") >= 2]
     yamlish = source.endswith((".yml", ".yaml", ".json"))
+    # 'auto' reads a YAML file first (syntax errors with their line), but "no root 'plugin' key" only says
+    # the file is no plugin config: then the yaml plugin's complaint is the one about the inventory
+    failures = [f for f in failures if not (f[0] == "auto" and "no root 'plugin' key" in f[2])] or failures
     for plugin in ("auto", "yaml", "ini") if yamlish else ("ini", "yaml", "auto"):
         for name, line, detail in failures:
             if name == plugin:
