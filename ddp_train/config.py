@@ -174,18 +174,22 @@ class _Loader(yaml.SafeLoader):
     """SafeLoader that reads `6e-4` as a float (YAML 1.2) and refuses duplicate keys."""
 
 
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-        |[-+]?\.(?:inf|Inf|INF)
-        |\.(?:nan|NaN|NAN))$""",
-        re.X,
-    ),
-    list("-+0123456789."),
+_FLOAT = re.compile(
+    r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""",
+    re.X,
 )
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
+
+
+class _Dumper(yaml.SafeDumper):
+    """SafeDumper that quotes strings _Loader reads as floats (`6e4`), so what it writes loads back."""
+
+
+_Dumper.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
 
 
 def _construct_map(loader: _Loader, node: yaml.MappingNode):
@@ -510,4 +514,4 @@ def _validate(data: dict, source: str, origin: Any) -> Config:
 
 def dump_yaml(cfg: Config) -> str:
     """The resolved config as YAML (what --print-config shows)."""
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None)
+    return yaml.dump(cfg.to_dict(), Dumper=_Dumper, sort_keys=False, default_flow_style=None)
