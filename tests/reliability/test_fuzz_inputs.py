@@ -23,7 +23,7 @@ from unittest import mock
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from ddp_train.__main__ import main as train_main
@@ -259,6 +259,7 @@ overrides = st.lists(
 
 @FAST
 @given(items=overrides)
+@example(items=['run.dir="6e4"', 'run.name="1e5"'])  # strings the loader would read back as floats
 def test_set_overrides_are_valid_or_one_line_error(scratch: Path, items: list[str]) -> None:
     err = check_config(lambda: load_config(None, items), scratch)
     # the error names the offending --set (or the packaged default file a --set conflicts with)
