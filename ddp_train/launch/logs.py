@@ -6,6 +6,7 @@ named like TOKEN/KEY/SECRET/PASSWORD) are masked everywhere.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import sys
@@ -31,6 +32,7 @@ _RANKED = (
         r"command not found)\b|\b\w*(Error|Exception)\b"
     ),
 )
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")  # what may appear in a log file name as is
 _NOISE = re.compile(r"^\s*(Traceback \(most recent call last\)|File \"|raise |\^+$|warnings\.warn)|Warning:")
 
 
@@ -66,7 +68,11 @@ class JobLog:
         self._launcher = open(self.dir / "launcher.log", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def path(self, host: str) -> Path:
-        return self.dir / f"{host}.log"
+        """logs/<job>/<host>.log; a host name that is no plain file name gets a safe unique one."""
+        name = _UNSAFE.sub("_", host)
+        if name != host or name.startswith(".") or name == "launcher":  # never outside the dir, no clash
+            name = f"{name.lstrip('.') or 'host'}-{hashlib.sha256(host.encode()).hexdigest()[:8]}"
+        return self.dir / f"{name}.log"
 
     def line(self, host: str, label: str, text: str) -> None:
         """One output line of a node."""
