@@ -27,7 +27,7 @@ from tests.testbed import Testbed, TestbedError
 LAUNCH = str(Path(sys.executable).parent / "ddp-launch")
 # tests.cluster's FINAL knows only testbed names (nodeN); this one takes any inventory host name.
 FINAL = re.compile(
-    r"^\[(\S+) r(\d+)\] ddp-train: final rank=(\d+) world=(\d+) step=(\d+) .*params_sha256=(\w+)$"
+    r"^\[(.+?) r(\d+)\] ddp-train: final rank=(\d+) world=(\d+) step=(\d+) .*params_sha256=(\w+)$"
 )
 
 
@@ -83,15 +83,9 @@ def finals(lines: list[str]) -> list[tuple[str, ...]]:
     return [m.groups() for m in map(FINAL.match, lines) if m]
 
 
-def stop(run: Launcher, job: str, timeout: float = 60) -> None:
-    """Test cleanup: SIGINT a launcher still running (it tears its job down), then kill stragglers."""
-    if run.proc.poll() is None:
-        run.proc.send_signal(signal.SIGINT)
-        try:
-            run.proc.wait(timeout=timeout)
-        except Exception:  # noqa: BLE001 - whatever happened, fall through to the hard kill
-            run.proc.kill()
-            run.proc.wait(10)
+def stop(run: Launcher, job: str) -> None:
+    """Test cleanup: a launcher still running tears its job down (Launcher.stop); then kill stragglers."""
+    run.stop()
     kill_job(job)
 
 

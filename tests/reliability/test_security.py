@@ -1,0 +1,280 @@
+"""Security: hostile inventory values never reach a shell, host keys are always verified, secrets masked.
+
+- Hostile host vars, env values, paths, host names, --set values and trainer arguments (`; rm -rf`,
+  `$(...)`, backticks, quotes, newlines): each remote command is only shlex-quoted words around one
+  `&&`, the words carry the values verbatim, and running the command (locally through /bin/sh, and
+  for real on testbed hosts over SSH) creates no canary file while the trainer sees every value as is.
+- An unknown or changed SSH host key stops the job before anything starts, with a line naming the
+  host and the fix; known_hosts is never written.
+- ddp_env values whose names contain TOKEN/KEY/SECRET/PASSWORD never appear in --dry-run output, on
+  the console, or in any log file, even when the trainer itself prints them.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ddp_train.launch.cli import main as launch_main
+from ddp_train.launch.plan import PGID_MARKER
+from tests.cluster.test_launch_testbed import assert_nothing_left, job_pids, launch
+from tests.reliability.support import finals, job_id
+from tests.testbed import Testbed
+from tests.unit.test_launch_plan import fake_venv
+
+SECRETS = {
+    "HF_TOKEN": "hf_Zq81-token-value",
+    "DB_PASSWORD": "pw-Zq81-password",
+    "MY_API_KEY": "key-Zq81-api",
+    "aws_secret_access_key": "aws-Zq81-secret",  # matching is case-insensitive
+}
+
+
+def hostile(canary: Path) -> str:
+    """A value that runs `touch canary` in every way a shell could be tricked into running it."""
+    c = shlex.quote(str(canary))
+    return (
+        f"$(touch {c}) `touch {c}`; touch {c} && touch {c} || touch {c} | touch {c} & "
+        f"'; touch {c}; ' \"; touch {c}; \" \\ back\\slash\nnewline; rm -rf ~ # * ~ $HOME >x <y"
+    )
+
+
+# Path components cannot hold the canary's absolute path (it has slashes): they touch PWNED relative to
+# whatever directory a shell would run them in (checked: the test dirs and the hosts' login dir).
+PWNED = "pwned"
+HOSTILE_NAME = f"$(touch {PWNED}) `touch {PWNED}`; touch {PWNED} 'q' \"dq\" & | > <"
+
+
+def hostile_dir(root: Path) -> Path:
+    """A real directory whose name is hostile too (no newline: inventories refuse those in paths)."""
+    path = root / f"dir {HOSTILE_NAME}"
+    path.mkdir(parents=True)
+    return path
+
+
+def assert_no_canary(canary: Path, *dirs: Path) -> None:
+    assert not canary.exists()
+    for d in dirs:
+        assert not (d / PWNED).exists() and not (d / "x").exists(), d
+
+
+def dry_run(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
+    cut = argv.index("--") if "--" in argv else len(argv)
+    try:
+        code = launch_main([*argv[:cut], "--dry-run", *argv[cut:]])
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_dry_run_commands_are_quoted_words_that_carry_hostile_values_verbatim(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    canary = tmp_path / "canary"
+    value = hostile(canary)
+    workdir = hostile_dir(tmp_path)
+    venv = tmp_path / f"venv {HOSTILE_NAME}"
+    venv.symlink_to(fake_venv(tmp_path))  # its torchrun prints argv, env and cwd as JSON
+    names = ["local0", f"h1 {HOSTILE_NAME}"]
+    inv = tmp_path / "inv.yml"
+    inv.write_text(
+        yaml.safe_dump(
+            {
+                "all": {
+                    "hosts": {n: None for n in names},
+                    "vars": {
+                        "ansible_connection": "local",
+                        "ansible_host": "127.0.0.1",
+                        "ddp_workdir": str(workdir),
+                        "ddp_venv": str(venv),
+                        "ddp_env": {"HOSTILE": value, "EMPTY": "", **SECRETS},
+                    },
+                }
+            }
+        )
+    )
+    run_dir = "runs $(touch x) `y`; z"
+    trainer_args = [value, "--", "'", '"', "$(touch x)"]
+    monkeypatch.chdir(tmp_path)
+    code, out, err = dry_run(
+        ["--hosts", str(inv), "--job-id", "sec-dry", "--env", f"ALSO={value}", "--set", f"run.dir={run_dir}",
+         "--", *trainer_args],
+        capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    # a command may span lines (an env value holds a newline), so split on the per-node headers
+    assert out.count(f"cd -- {shlex.quote(str(workdir))} && exec setsid -w env ") == 2, out
+    blocks = out.split("\n# [")[1:]
+    assert len(blocks) == 2, out
+    for rank, block in enumerate(blocks):
+        cmd = block.split("\n", 1)[1].rstrip("\n")
+        words = shlex.split(cmd)
+        # shell operators only where the launcher put them: exactly one `&&`, nothing else unquoted
+        lexer = shlex.shlex(cmd, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        operators = [t for t in lexer if t and set(t) <= set("();<>|&")]
+        assert operators == ["&&"], operators
+        assert words[:8] == ["cd", "--", str(workdir), "&&", "exec", "setsid", "-w", "env"]
+        env = dict(w.split("=", 1) for w in words[8 : words.index("sh")])
+        assert env["HOSTILE"] == value and env["ALSO"] == value and env["EMPTY"] == ""
+        assert {k: env[k] for k in SECRETS} == dict.fromkeys(SECRETS, "***")
+        argv = words[words.index("ddp-launch") + 1 :]
+        assert argv[0] == f"{venv}/bin/torchrun"
+        assert argv[argv.index("--node-rank") + 1] == str(rank)
+        assert argv[-(len(trainer_args) + 2) :] == ["--set", f"run.dir={run_dir}", *trainer_args]
+        # and a real shell runs it as those words: the fake torchrun reports what it received
+        res = subprocess.run(["/bin/sh", "-c", cmd], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        marker, payload = res.stdout.split("\n", 1)
+        assert marker.startswith(PGID_MARKER + " ")
+        seen = json.loads(payload)
+        assert seen["argv"] == argv[1:] and seen["cwd"] == str(workdir)
+        assert seen["env"]["HOSTILE"] == value and seen["env"]["ALSO"] == value
+    for secret in SECRETS.values():
+        assert secret not in out + err
+    assert_no_canary(canary, tmp_path, workdir)
+
+
+def named_inventory(
+    tb: Testbed, root: Path, hosts: dict[str, str], all_vars: dict, host_vars: dict | None = None
+) -> Path:
+    """An inventory of named testbed hosts (name -> IP) with the testbed's SSH settings."""
+    base = yaml.safe_load(tb.inventory.read_text())["all"]["vars"]
+    inv = {
+        "all": {
+            "children": {
+                "gpu_nodes": {
+                    "hosts": {
+                        n: {"ansible_host": ip, **(host_vars or {}).get(n, {})} for n, ip in hosts.items()
+                    }
+                }
+            },
+            "vars": {**base, **all_vars},
+        }
+    }
+    path = root / "inventory.yml"
+    path.write_text(yaml.safe_dump(inv, sort_keys=False))
+    return path
+
+
+def test_hostile_values_reach_the_trainer_on_testbed_hosts_verbatim(testbed: Testbed, tmp_path: Path) -> None:
+    tb = testbed
+    node0, node1 = tb.hosts()[:2]
+    canary = tmp_path / "canary"
+    value = hostile(canary)
+    workdir = hostile_dir(tmp_path)
+    venv = tmp_path / f"venv {HOSTILE_NAME}"
+    venv.symlink_to(sys.prefix)
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    # In every trainer worker: record HOSTILE and the cwd as received, and print every secret in the clear.
+    (probe / "sitecustomize.py").write_text(
+        "import json, os, socket\n"
+        "if 'LOCAL_RANK' in os.environ and 'HOSTILE' in os.environ:\n"
+        f"    with open(os.path.join({str(probe)!r}, socket.gethostname() + '.json'), 'w') as f:\n"
+        "        json.dump({'hostile': os.environ['HOSTILE'], 'cwd': os.getcwd()}, f)\n"
+        f"    for k in {sorted(SECRETS)!r}:\n"
+        "        print('leak', k, os.environ[k], flush=True)\n"
+    )
+    evil_name = f"../n1 {HOSTILE_NAME}"
+    inv = named_inventory(
+        tb, tmp_path, {"node0": node0.ip, evil_name: node1.ip},
+        {"ddp_workdir": str(workdir), "ddp_venv": str(venv),
+         "ddp_env": {"HOSTILE": value, "PYTHONPATH": str(probe), **SECRETS}},
+    )  # fmt: skip
+    job = job_id("sec-tb")
+    run_dir = "runs $(touch x) `y`; z"
+    code, out = launch(
+        ["--hosts", str(inv), "--job-id", job, "--set", "train.max_steps=3", "--set", f"run.dir={run_dir}"],
+        tmp_path, timeout=300,
+    )  # fmt: skip
+    assert code == 0, out
+    assert len(finals(out.splitlines())) == 2, out
+    for host in (node0, node1):
+        seen = json.loads((probe / f"{host.name}.json").read_text())
+        assert seen == {"hostile": value, "cwd": str(workdir)}, host.name
+    assert (workdir / run_dir / "default" / "metrics.jsonl").exists()  # rank 0 wrote where it was told
+    assert_no_canary(canary, tmp_path, workdir)
+    for host in (node0, node1):  # a command that lost its quoting would run in the login directory
+        tb.exec(host, f"cd && test ! -e {PWNED} && test ! -e x")  # raises if either exists
+    # the secrets: printed by the trainer, masked by the launcher on the console and in every file
+    logs = tmp_path / "logs" / job
+    files = sorted(p for p in logs.rglob("*") if p.is_file())
+    assert all(p.parent == logs for p in files), files  # the hostile host name stayed inside logs/<job>/
+    assert [p.name for p in (tmp_path / "logs").iterdir()] == [job]
+    everything = out + "".join(p.read_text() for p in files)
+    for name, secret in SECRETS.items():
+        assert secret not in everything, name
+        assert f"leak {name} ***" in out
+        assert f"{name}=***" in (logs / "launcher.log").read_text()
+    assert_nothing_left(tb, job)
+
+
+def test_unknown_or_changed_host_key_is_refused_before_anything_starts(
+    testbed: Testbed, tmp_path: Path
+) -> None:
+    tb = testbed
+    node0, node1, node2 = tb.hosts()[:3]
+    keys = tb.state_dir / "hosts"
+    key_of = {
+        h.name: " ".join((keys / h.name / "ssh_host_ed25519_key.pub").read_text().split()[:2])
+        for h in tb.hosts()
+    }
+    unknown = tmp_path / "known_hosts_empty"
+    unknown.write_text("")
+    changed = tmp_path / "known_hosts_changed"
+    changed.write_text(f"{node2.ip} {key_of['node0']}\n")  # node2's address, someone else's key
+    before = {p: p.read_bytes() for p in (unknown, changed, tb.known_hosts)}
+    inv = named_inventory(
+        tb, tmp_path, {h.name: h.ip for h in (node0, node1, node2)},
+        {"ddp_workdir": str(tmp_path), "ddp_venv": sys.prefix},
+        host_vars={
+            name: {"ansible_ssh_common_args": f"-o UserKnownHostsFile={path} -o StrictHostKeyChecking=yes"}
+            for name, path in (("node1", unknown), ("node2", changed))
+        },
+    )  # fmt: skip
+    home = tmp_path / "home"  # no ~/.ssh/known_hosts: only the inventory's files count
+    home.mkdir()
+    unknown_why = (
+        f"host key unknown: {node1.ip} is not in {home}/.ssh/known_hosts, {unknown}; verify the host's key "
+        f"out of band, then: ssh-keyscan -H {node1.ip} >> ~/.ssh/known_hosts "
+        "(host key checking is never disabled)"
+    )
+    changed_why = "HOST KEY MISMATCH: the server offered ssh-ed25519 "
+    changed_fix = (
+        "(possible man-in-the-middle); if the host was reinstalled, verify its new key and replace the entry "
+        f"(ssh-keygen -R {node2.ip})"
+    )
+
+    job = job_id("sec-key")
+    code, out = launch(["--hosts", str(inv), "--job-id", job], tmp_path, home=home)
+    assert code == 3, out  # preflight
+    lines = out.splitlines()
+    assert f"FAIL node1: ssh: {unknown_why}" in lines, out
+    assert [
+        ln for ln in lines if ln.startswith(f"FAIL node2: ssh: {changed_why}") and ln.endswith(changed_fix)
+    ], out
+    assert "nothing was started" in out
+
+    job2 = job_id("sec-key-skip")
+    code, out = launch(["--hosts", str(inv), "--job-id", job2, "--skip-preflight"], tmp_path, home=home)
+    assert code == 1, out
+    assert f"node1 (root@{node1.ip}:22): {unknown_why}" in out, out
+    assert [
+        ln
+        for ln in out.splitlines()
+        if f"node2 (root@{node2.ip}:22): {changed_why}" in ln and ln.endswith(changed_fix)
+    ], out
+    assert "could not connect to every node; nothing was started" in out
+    assert not [ln for ln in out.splitlines() if ln.startswith("[node")], out  # no node printed a line
+    for j in (job, job2):
+        assert job_pids(j) == []
+    assert {p: p.read_bytes() for p in before} == before  # nothing was added to any known_hosts
+    assert not (home / ".ssh").exists()
