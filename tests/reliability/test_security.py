@@ -164,6 +164,7 @@ def named_inventory(
     return path
 
 
+@pytest.mark.testbed
 def test_hostile_values_reach_the_trainer_on_testbed_hosts_verbatim(testbed: Testbed, tmp_path: Path) -> None:
     tb = testbed
     node0, node1 = tb.hosts()[:2]
@@ -217,6 +218,7 @@ def test_hostile_values_reach_the_trainer_on_testbed_hosts_verbatim(testbed: Tes
     assert_nothing_left(tb, job)
 
 
+@pytest.mark.testbed
 def test_unknown_or_changed_host_key_is_refused_before_anything_starts(
     testbed: Testbed, tmp_path: Path
 ) -> None:
