@@ -43,7 +43,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def local_inventory(root: Path, nodes: int = 2, port: int | None = None) -> Path:
+def local_inventory(root: Path, nodes: int = 2, port: int | None = None, **variables: object) -> Path:
     """Like inventory/local (local nodes, no SSH) but on a free port, so parallel runs cannot collide."""
     inv = {
         "all": {
@@ -53,6 +53,7 @@ def local_inventory(root: Path, nodes: int = 2, port: int | None = None) -> Path
                 "ansible_host": "127.0.0.1",
                 "ddp_nproc_per_node": 1,
                 "ddp_master_port": port or free_port(),
+                **variables,
             },
         }
     }

@@ -7,11 +7,13 @@
 - An unknown or changed SSH host key stops the job before anything starts, with a line naming the
   host and the fix; known_hosts is never written.
 - ddp_env values whose names contain TOKEN/KEY/SECRET/PASSWORD never appear in --dry-run output, on
-  the console, or in any log file, even when the trainer itself prints them.
+  the console, or in any log file, even when the trainer itself prints them. (They do still appear in
+  the command line of a process on each node: a strict xfail below pins that known leak.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
 import subprocess
@@ -23,8 +25,8 @@ import yaml
 
 from ddp_train.launch.cli import main as launch_main
 from ddp_train.launch.plan import PGID_MARKER
-from tests.cluster.test_launch_testbed import assert_nothing_left, job_pids, launch
-from tests.reliability.support import finals, job_id
+from tests.cluster.test_launch_testbed import Launcher, assert_nothing_left, job_pids, launch
+from tests.reliability.support import finals, job_id, local_inventory, stop
 from tests.testbed import Testbed
 from tests.unit.test_launch_plan import fake_venv
 
@@ -280,3 +282,32 @@ def test_unknown_or_changed_host_key_is_refused_before_anything_starts(
         assert job_pids(j) == []
     assert {p: p.read_bytes() for p in before} == before  # nothing was added to any known_hosts
     assert not (home / ".ssh").exists()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known leak: ddp_env values are passed as `setsid -w env K=V ...` arguments, and the waiting "
+    "setsid keeps them in its command line, readable by every user on the node (ps, /proc/PID/cmdline); "
+    "secrets should reach the node over stdin or a 0600 file instead",
+)
+def test_secret_values_are_in_no_command_line_on_the_node(tmp_path: Path) -> None:
+    secret = "hf_Zq81-visible-in-ps"
+    inv = local_inventory(tmp_path, nodes=1, ddp_env={"HF_TOKEN": secret})
+    job = job_id("sec-ps")
+    run = Launcher(
+        ["--hosts", str(inv), "--job-id", job, "--set", "train.max_steps=200",
+         "--set", "debug.step_delay_s=0.2", "--set", "log.interval_steps=1", "--set", f"run.dir={tmp_path}"],
+        tmp_path,
+    )  # fmt: skip
+    try:
+        run.wait_for(r"INFO step 2/", timeout=120)
+        assert job_pids(job), "the job is not running"
+        visible = []  # what `ps -eo args` shows any user
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    if secret.encode() in (entry / "cmdline").read_bytes():
+                        visible.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:120])
+    finally:
+        stop(run, job)
+    assert visible == [], visible
