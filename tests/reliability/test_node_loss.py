@@ -83,6 +83,7 @@ def test_host_crash_fails_fast_naming_the_host(tb: Testbed, tmp_path: Path) -> N
     )
     assert left == {"node0": [], "node1": [], "node2": []}, left
     assert tb.pids(node1) == []  # nothing came back on the crashed host either
+    print(f"crash: launcher ended {elapsed:.1f}s after node1 was killed")
 
 
 def test_silent_partition_ends_the_job_and_names_the_host(tb: Testbed, tmp_path: Path) -> None:
