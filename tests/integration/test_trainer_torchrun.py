@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -126,6 +127,17 @@ def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: fl
     pytest.fail(f"no step {step} in {metrics} after {timeout}s")
 
 
+@contextlib.contextmanager
+def _reaped(proc: subprocess.Popen):
+    """Kill and reap proc on the way out when a step inside the block failed before it ended."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
 def _start_slow(work: Path, name: str) -> subprocess.Popen:
     args = [*COMMON, *sets(run__dir=name, debug__step_delay_s=0.25)]
     return subprocess.Popen(
@@ -168,14 +180,10 @@ def _stopped_steps(stdout: str) -> dict[int, int]:
 
 def test_sigterm_to_torchrun_saves_then_resume_is_bit_exact(work, straight):
     proc = _start_slow(work, "sigterm")
-    try:
+    with _reaped(proc):
         _wait_for_step(work / "sigterm" / "default" / "metrics.jsonl", 3, proc)
         proc.send_signal(signal.SIGTERM)  # torchrun forwards it to both workers
         out, err = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     stopped = _stopped_steps(out)
     assert sorted(stopped) == [0, 1], f"{out}\n{err[-4000:]}"
     step = stopped[0]
@@ -192,14 +200,10 @@ def test_sigterm_to_torchrun_saves_then_resume_is_bit_exact(work, straight):
 
 def test_sigterm_to_one_worker_stops_every_rank_after_the_same_step(work):
     proc = _start_slow(work, "sigterm-one")
-    try:
+    with _reaped(proc):
         _wait_for_step(work / "sigterm-one" / "default" / "metrics.jsonl", 3, proc)
         os.kill(_worker_with_rank(proc.pid, 1), signal.SIGTERM)
         out, err = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     stopped = _stopped_steps(out)
     assert sorted(stopped) == [0, 1] and stopped[0] == stopped[1], f"{out}\n{err[-4000:]}"
     assert stopped[0] < 20
@@ -224,14 +228,10 @@ def test_max_restarts_resumes_automatically_after_a_killed_worker(work, straight
     proc = subprocess.Popen(
         cmd, cwd=work, env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    try:
+    with _reaped(proc):
         _wait_for_step(work / "elastic" / "default" / "metrics.jsonl", 12, proc)
         os.kill(_worker_with_rank(proc.pid, 1), signal.SIGKILL)
         out, err = proc.communicate(timeout=150)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 0, f"{out}\n{err[-6000:]}"
     assert "resumed from" in err and "step-00000010.pt" in err
     assert parse_finals(out).sha == parse_finals(straight[0].stdout).sha
