@@ -33,7 +33,7 @@ def test_gpu_roles_fail_on_a_host_without_gpu_by_default(testbed, playbook):
 def test_gpu_roles_skip_with_a_message_when_the_gpu_is_optional(testbed, playbook):
     res = playbook("-i", str(testbed.inventory), *SKIP_GPU, "playbooks/gpu.yml")
     assert res.returncode == 0, res.out[-3000:]
-    for what in ("the NVIDIA driver", "the CUDA toolkit 12.8", "the NCCL 2.26.2"):
+    for what in ("the NVIDIA driver", "the CUDA toolkit 13.0", "the NCCL 2.29.7"):
         assert len(re.findall(f"so {what} is not installed here", res.out)) == 3, what
     assert set(re.findall(r"changed=(\d+)", res.out)) == {"0"}
 
@@ -62,5 +62,5 @@ def test_a_detected_gpu_is_not_skipped_and_unsupported_os_is_refused(testbed, pl
         "-i", str(testbed.inventory), *SKIP_GPU, "-e", f"gpu_facts_pci_devices_dir={pci}", "playbooks/gpu.yml"
     )
     assert res.returncode == 2, res.out[-3000:]
-    assert "the NVIDIA driver is installed on EL 8/9/10 and Ubuntu 22.04/24.04 only, not Debian" in res.out
+    assert "the NVIDIA driver is installed on EL 9/10 and Ubuntu 22.04/24.04 only, not Debian" in res.out
     assert set(re.findall(r"changed=(\d+)", res.out)) == {"0"}

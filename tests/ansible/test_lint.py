@@ -10,7 +10,7 @@ from tests.ansible.conftest import REPO_ROOT, run, tool_env
 # The project's Ansible content (inventory/testbed* is generated, inventory/local is the launcher's).
 ANSIBLE_PATHS = ["site.yml", "playbooks", "roles", "molecule", "inventory/prod"]
 YAML_PATHS = [*ANSIBLE_PATHS, ".ansible-lint", ".yamllint"]
-SCENARIOS = ["default", "el8", "el9", "el10"]
+SCENARIOS = ["default", "el9", "el10"]
 
 
 def test_ansible_lint_config_is_production_with_an_empty_skip_list():
