@@ -1,11 +1,11 @@
-"""CLI: python -m tests.testbed {up N | down | status} [--prefix P] [--net A.B.C]."""
+"""CLI: python -m tests.testbed {up N [--os rocky9 ...] | down | status} [--prefix P] [--net A.B.C]."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from . import DEFAULT_NET, DEFAULT_PREFIX, Testbed, TestbedError
+from . import DEFAULT_NET, DEFAULT_PREFIX, OS_CHOICES, Testbed, TestbedError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,13 +17,20 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("n", type=int)
     up.add_argument("--loopback-hostname", action="store_true",
                     help="map each hostname to 127.0.1.1 in its /etc/hosts, as Debian's installer does")
+    up.add_argument("--os", choices=OS_CHOICES, default="debian",
+                    help="rocky9: EL9 simulation hosts (real dnf/rpm against local repos, tests/testbed/el)")
+    up.add_argument("--gpus", type=int, default=8, help="simulated NVIDIA GPUs per rocky9 host (0-8)")
+    up.add_argument("--gpu-model", choices=("h100", "h200"), default="h100")
+    up.add_argument("--nvswitch", action="store_true", help="rocky9 hosts also get 4 simulated NVSwitches")
     sub.add_parser("down", help="kill the hosts' processes and delete their namespaces")
     sub.add_parser("status", help="list the hosts and their process counts")
     args = p.parse_args(argv)
     try:
-        tb = Testbed(prefix=args.prefix, net=args.net)
+        tb = Testbed(prefix=args.prefix, net=args.net, os=getattr(args, "os", "debian"))
         if args.cmd == "up":
-            for h in tb.up(args.n, loopback_hostname=args.loopback_hostname):
+            hosts = tb.up(args.n, loopback_hostname=args.loopback_hostname, gpus=args.gpus,
+                          nvswitch=args.nvswitch, gpu_model=args.gpu_model)
+            for h in hosts:
                 print(f"{h.name} {h.ip} netns={h.netns}")
             print(f"inventory: {tb.inventory}")
             print(f"ssh: ssh -F {tb.ssh_config} node0")

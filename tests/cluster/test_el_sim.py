@@ -1,0 +1,267 @@
+"""The EL9 simulation host itself (tests/testbed/el): real dnf 4.14 and rpm against local repos.
+
+Proves what the roles' EL tests will rely on: Ansible sees Rocky/RedHat 9 with dnf, NVIDIA's
+modular streams behave as on RHEL (stream switch refused), kernel-devel-matched drags in the newer
+kernel and the kmod's %post skips it, the simulated reboot loads the driver only when a module
+exists for the booted kernel, and nothing lands on this machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import testbed_missing_reason
+from tests.testbed import Testbed, el
+from tests.testbed import TestbedError as _TestbedError
+
+pytestmark = pytest.mark.testbed
+
+PREFIX, NET = "elsim", "10.213.75"
+DRIVER = "580.105.08"  # newest 580 in the manifest
+OPEN_STREAM_SWITCH = "It is not possible to switch enabled streams of a module"
+NO_DRIVER = "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver"
+# Paths the sim writes inside its hosts; none may appear on this machine.
+SIM_ONLY = (
+    "/usr/bin/nvidia-smi",
+    "/usr/sbin/dkms",
+    "/usr/sbin/grubby",
+    "/usr/bin/dracut",
+    "/usr/src/kernels",
+    "/usr/local/sbin/ddp-sim-reboot",
+    "/usr/local/lib/ddp-sim",
+    "/usr/lib/ddp-sim",
+    "/etc/yum.repos.d",
+    "/etc/ld.so.preload",
+    "/etc/rpm/macros.ddp-sim",
+    "/var/lib/ddp-sim",
+    "/var/lib/dkms",
+    "/var/log/ddp-sim",
+)
+
+
+def _snapshot() -> dict:
+    """What the real machine has where the sim installs: the rpmdb and /boot, entry by entry."""
+    snap = {}
+    for d in ("/var/lib/rpm", "/boot"):
+        for p in sorted(Path(d).rglob("*")):
+            st = p.lstat()
+            snap[str(p)] = (st.st_mode, st.st_size, st.st_mtime_ns)
+    return snap
+
+
+@pytest.fixture(scope="module")
+def sim():
+    reason = testbed_missing_reason()
+    missing = [
+        t
+        for t in ("dnf", "rpmbuild", "createrepo_c", "modifyrepo_c", "gpg", "gcc")
+        if shutil.which(t) is None
+    ]
+    if missing and not reason:
+        reason = f"needs {', '.join(missing)} (bash .ci/setup --with-testbed)"
+    if reason:
+        if os.environ.get("CI"):
+            pytest.fail(f"EL sim unavailable in CI: {reason}")
+        pytest.skip(reason)
+    before = _snapshot()
+    tb = Testbed(prefix=PREFIX, net=NET, os="rocky9")
+    try:
+        tb.up(2, gpus=8, nvswitch=True)
+    except _TestbedError as e:
+        tb.down()
+        pytest.fail(f"EL sim testbed up failed: {e}")
+    tb.real_before = before
+    tb.cache = el.build()
+    try:
+        yield tb
+    finally:
+        tb.down()
+
+
+def sh(tb: Testbed, host: str, cmd: str, ok: bool = True) -> subprocess.CompletedProcess:
+    res = tb.ssh(host, cmd, check=False, timeout=120)
+    if ok:
+        assert res.returncode == 0, (
+            f"{cmd!r} on {host} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}"
+        )
+    return res
+
+
+def add_nvidia_repo(tb: Testbed, host: str) -> None:
+    """What cuda_repo and the EPEL/CRB tasks do on a real Rocky 9 host."""
+    sh(
+        tb,
+        host,
+        f"cat > /etc/yum.repos.d/cuda-rhel9.repo <<'EOF'\n{el.cuda_repo_file(tb.cache)}EOF\n"
+        "dnf -q -y install epel-release && dnf -q config-manager --set-enabled crb",
+    )
+
+
+def test_ansible_sees_rocky_9_with_dnf_and_reboots_through_the_sim(sim, tmp_path, venv_bin):
+    info = sim.cache.info
+    play = tmp_path / "play.yml"
+    play.write_text(
+        textwrap.dedent(f"""\
+        - hosts: node0
+          gather_facts: true
+          gather_subset: [min]
+          tasks:
+            - ansible.builtin.assert:
+                that:
+                  - ansible_distribution == 'Rocky'
+                  - ansible_os_family == 'RedHat'
+                  - ansible_distribution_major_version == '9'
+                  - ansible_pkg_mgr == 'dnf'
+                  - ansible_kernel == '{info["installed_kernel"]}'
+                  - ddp_testbed_os == 'rocky9'
+            # rpm_key refuses file:// URLs (fetch_url's status is not 200); a path on the host works.
+            - ansible.builtin.rpm_key:
+                key: "{{{{ cuda_repo_gpgkey_url | regex_replace('^file://', '') }}}}"
+                fingerprint: "{{{{ cuda_repo_gpgkey_fingerprint }}}}"
+            - ansible.builtin.command: "{{{{ nvidia_driver_boot_time_command }}}}"
+              register: before
+              changed_when: false
+            - ansible.builtin.reboot:
+                reboot_command: "{{{{ nvidia_driver_reboot_command }}}}"
+                boot_time_command: "{{{{ nvidia_driver_boot_time_command }}}}"
+                reboot_timeout: 60
+            - ansible.builtin.command: "{{{{ nvidia_driver_boot_time_command }}}}"
+              register: after
+              changed_when: false
+            - ansible.builtin.assert:
+                that: before.stdout != after.stdout
+        """)
+    )
+    cfg = tmp_path / "ansible.cfg"  # no fact cache: other testbeds also have a node0
+    cfg.write_text("[defaults]\nhost_key_checking = True\n[ssh_connection]\npipelining = True\n")
+    res = subprocess.run(
+        [str(venv_bin / "ansible-playbook"), "-i", str(sim.inventory), str(play)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "ANSIBLE_CONFIG": str(cfg)},
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    keys = sh(sim, "node0", "rpm -q gpg-pubkey --qf '%{VERSION}\\n'").stdout.split()
+    assert info["cuda_repo_gpgkey_fingerprint"][-8:].lower() in keys
+
+
+def test_module_install_works_and_a_stream_switch_is_refused(sim):
+    add_nvidia_repo(sim, "node1")
+    sh(sim, "node1", "dnf -q -y module install nvidia-driver:580-open/default")
+    evr = sh(sim, "node1", "rpm -q --qf '%{EPOCH}:%{VERSION}' nvidia-driver kmod-nvidia-open-dkms").stdout
+    assert evr == f"3:{DRIVER}3:{DRIVER}"
+    res = sh(sim, "node1", "dnf -y module install nvidia-driver:575-open/default", ok=False)
+    assert res.returncode == 1
+    assert OPEN_STREAM_SWITCH in res.stdout + res.stderr
+    assert sh(sim, "node1", "rpm -q --qf '%{VERSION}' nvidia-driver").stdout == DRIVER
+
+
+def test_versionlock_comes_with_its_package_and_locks_installed_nevras(sim):
+    res = sh(sim, "node1", "dnf versionlock list", ok=False)
+    assert res.returncode != 0 and "No such command: versionlock" in res.stdout + res.stderr
+    sh(sim, "node1", "dnf -q -y install python3-dnf-plugin-versionlock")
+    sh(sim, "node1", "dnf -q versionlock add '*nvidia*580*'")
+    locks = [
+        x
+        for x in sh(sim, "node1", "cat /etc/dnf/plugins/versionlock.list").stdout.splitlines()
+        if x and not x.startswith("#")
+    ]
+    installed = sh(sim, "node1", "rpm -qa --qf '%{NAME}\\n' '*nvidia*'").stdout.split()
+    assert sorted(x.split(f"-3:{DRIVER}")[0] for x in locks) == sorted(installed)
+    sh(sim, "node1", "dnf -q versionlock clear")
+
+
+def test_kernel_devel_matched_pulls_the_newer_kernel_and_the_kmod_post_skips_it(sim):
+    info = sim.cache.info
+    running, newer = info["installed_kernel"], info["newer_kernels"][-1]
+    sh(sim, "node0", "dnf -q -y install kernel-devel-matched")
+    cores = sh(sim, "node0", "rpm -q --qf '%{VERSION}-%{RELEASE}.%{ARCH}\\n' kernel-core").stdout.split()
+    assert sorted(cores) == sorted([running, newer])
+    assert sh(sim, "node0", "grubby --default-kernel").stdout.strip() == f"/boot/vmlinuz-{newer}"
+    assert sh(sim, "node0", "uname -r").stdout.strip() == running  # not rebooted yet
+    add_nvidia_repo(sim, "node0")
+    sh(sim, "node0", "dnf -q -y module install nvidia-driver:580-open/default")
+    log = sh(sim, "node0", "cat /var/log/ddp-sim/dkms.log").stdout
+    assert f"dkms install -m nvidia-open -v {DRIVER} -q --force" in log  # NVIDIA's %post, uname -r only
+    assert "autoinstall" not in log
+    sh(sim, "node0", f"test ! -e /lib/modules/{newer}/extra/nvidia.ko.xz")
+    # the running kernel has no headers either: the %post's build failed and was ignored
+    assert sh(sim, "node0", "dkms status").stdout.strip() == f"nvidia-open/{DRIVER}: added"
+
+
+def test_the_driver_loads_only_with_a_module_for_the_booted_kernel(sim):
+    newer = sim.cache.info["newer_kernels"][-1]
+    sh(sim, "node0", "ddp-sim-reboot")
+    assert sh(sim, "node0", "uname -r").stdout.strip() == newer
+    res = sh(sim, "node0", "nvidia-smi", ok=False)
+    assert res.returncode == 9 and NO_DRIVER in res.stdout
+    res = sh(sim, "node0", "dkms build -m nvidia-open -v 1.0 -k 9.9.9", ok=False)
+    assert res.returncode != 0  # unknown module source
+    sh(sim, "node0", f"dkms autoinstall -k {newer}")
+    assert (
+        sh(sim, "node0", "dkms status").stdout.strip() == f"nvidia-open/{DRIVER}, {newer}, x86_64: installed"
+    )
+    sh(sim, "node0", "ddp-sim-reboot")
+    assert (
+        f"NVIDIA UNIX Open Kernel Module for x86_64  {DRIVER}"
+        in sh(sim, "node0", "cat /var/lib/ddp-sim/proc/driver/nvidia/version").stdout
+    )
+    sh(sim, "node0", "echo 3 > /var/lib/ddp-sim/mig-enabled")
+    rows = sh(
+        sim,
+        "node0",
+        "nvidia-smi --query-gpu=index,name,pci.bus_id,driver_version,mig.mode.current --format=csv,noheader",
+    ).stdout.splitlines()
+    assert len(rows) == 8
+    assert rows[0] == f"0, NVIDIA H100 80GB HBM3, 00000000:1B:00.0, {DRIVER}, Disabled"
+    assert rows[3].endswith("Enabled")
+    # NVSwitch host without Fabric Manager: the fabric never completes
+    assert "State                             : In Progress" in sh(sim, "node0", "nvidia-smi -q").stdout
+    sh(sim, "node0", f"dnf -q -y install nvidia-fabricmanager-{DRIVER}")
+    q = sh(sim, "node0", "nvidia-smi -q").stdout
+    assert (
+        "State                             : Completed" in q
+        and "Status                            : Success" in q
+    )
+    sh(sim, "node0", "touch /var/lib/ddp-sim/secureboot-rejects && ddp-sim-reboot")
+    assert sh(sim, "node0", "nvidia-smi", ok=False).returncode == 9
+    sh(sim, "node0", "rm /var/lib/ddp-sim/secureboot-rejects && ddp-sim-reboot && nvidia-smi -L >/dev/null")
+
+
+def test_dracut_force_rebuilds_only_the_running_kernel(sim):
+    info = sim.cache.info
+    running, other = info["newer_kernels"][-1], info["installed_kernel"]  # node0 booted the newer one
+    sh(sim, "node0", "rm -f /boot/initramfs-*.img && dracut --force")
+    assert sh(sim, "node0", "ls /boot/").stdout.split().count(f"initramfs-{running}.img") == 1
+    sh(sim, "node0", f"test ! -e /boot/initramfs-{other}.img")
+    sh(sim, "node0", "dracut --regenerate-all --force")
+    sh(sim, "node0", f"test -e /boot/initramfs-{other}.img")
+    log = sh(sim, "node0", "cat /var/log/ddp-sim/dracut.log").stdout
+    assert "dracut --force" in log and "dracut --regenerate-all --force" in log
+
+
+def test_nothing_lands_on_the_real_machine(sim):
+    assert _snapshot() == sim.real_before  # rpmdb and /boot untouched
+    leaked = [p for p in SIM_ONLY if os.path.lexists(p)]
+    for k in [sim.cache.info["installed_kernel"], *sim.cache.info["newer_kernels"]]:
+        leaked += [p for p in (f"/lib/modules/{k}", f"/boot/vmlinuz-{k}") if os.path.lexists(p)]
+    assert leaked == []
+    assert os.path.islink("/etc/os-release")  # still Debian's
+    assert Path(
+        "/usr/lib/python3/dist-packages/dnf-plugins/versionlock.py"
+    ).is_file()  # hidden only in the hosts
+
+
+def test_down_leaves_no_namespace(sim):
+    sim.down()
+    assert sim.namespaces() == []
+    assert subprocess.run(["ip", "link", "show", sim.bridge], capture_output=True).returncode != 0
+    assert not sim.state_dir.exists() and not sim.inventory_dir.exists()
+    sim.down()  # idempotent
