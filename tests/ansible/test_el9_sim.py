@@ -133,7 +133,7 @@ def test_a_gpu_host_with_a_broken_driver_fails_with_the_reason(case, el9, playbo
 
 
 def test_a_booted_kernel_without_the_module_gets_it_rebuilt_and_rebooted(el9, playbook):
-    """As after a kernel installed while its headers were missing: dkms has no module for the booted kernel."""
+    """As after a kernel installed without its headers: dkms has no module for the booted kernel."""
     kernel = _sh(el9, 0, "uname -r").strip()
     version = _sh(el9, 0, "rpm -q --queryformat '%{VERSION}' kmod-nvidia-open-dkms").strip()
     _sh(el9, 0, f"dkms remove -m nvidia-open -v {version} -k {kernel}; /usr/local/sbin/ddp-sim-reboot")
