@@ -284,7 +284,8 @@ class Trainer:
             pruned = checkpoint.prune(directory, self.cfg.checkpoint.keep_latest_k)
             # "in N.NNs": ddp-launch reads it to size the grace period of a stop (launch/job.py)
             seconds = time.perf_counter() - t0
-            log.info("saved %s in %.2fs%s", path, seconds, f" (deleted {len(pruned)} older)" if pruned else "")
+            deleted = f" (deleted {len(pruned)} older)" if pruned else ""
+            log.info("saved %s in %.2fs%s", path, seconds, deleted)
         self.saved_step = self.step
         # rank 0's write + fsync may outlast the collective timeout: wait on the store, sized for I/O
         distributed.wait_for_io(0, self.cfg.checkpoint.io_timeout_s)
