@@ -485,10 +485,16 @@ class Job:
     # ---- summary ----------------------------------------------------------------------------------
 
     def _stopped_cleanly(self) -> list[NodeRun]:
-        """After a stop: the nodes that exited 128 + signal (their ranks saved) or had finished (0)."""
+        """After a stop: the nodes that had finished (0), or exited 128 + signal after their ranks said
+        they stopped (which they print only once the checkpoint is saved)."""
         if not self.stop_signal:
             return []
-        return [r for r in self.runs if r.code in (0, 128 + self.stop_signal) and not r.lost and not r.error]
+        sig = 128 + self.stop_signal
+        return [
+            r
+            for r in self.runs
+            if r.code == 0 or (r.code == sig and any(map(STOPPED.search, self.log.tail(r.name))))
+        ]
 
     def _summary(self, code: int, leftovers: dict[str, list[str]], elapsed: float) -> None:
         rows = []
