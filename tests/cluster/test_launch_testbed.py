@@ -207,7 +207,7 @@ def test_three_hosts_run_to_the_end_with_identical_params(testbed: Testbed, tmp_
     assert seen == {f"node{i}": hostile for i in range(3)}
     assert not pwn.exists()
     # the secret is masked on the console and in every log file
-    assert secret not in out and "HF_TOKEN=***" in (logs / "launcher.log").read_text()
+    assert secret not in out and '"HF_TOKEN": "***"' in (logs / "launcher.log").read_text()  # env: stdin
     assert all(secret not in f.read_text() for f in logs.iterdir())
 
 
