@@ -128,7 +128,9 @@ def _parser(doctor: bool) -> argparse.ArgumentParser:
         "before KILL [derived from the measured save and step times, at least 30, at most 600]; a node "
         "failure waits min(S, 10)",
     )
-    job.add_argument("--timeout", type=float, metavar="S", help="stop the job after S seconds (exit 124)")
+    job.add_argument(
+        "--timeout", type=float, metavar="S", help="stop the job after S seconds, as SIGTERM does (exit 124)"
+    )
     job.add_argument("--skip-preflight", action="store_true", help="launch without the preflight checks")
     job.add_argument("--dry-run", action="store_true", help="print the exact command of every node and exit")
     return p
