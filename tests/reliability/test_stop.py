@@ -6,7 +6,8 @@ On local nodes (two nodes x one process, no SSH), through the console script as 
   no traceback from torchrun; the same command then resumes from exactly that step and ends with the
   parameters of an uninterrupted run (conftest's reference_sha).
 - a second Ctrl-C while rank 0 is still writing that checkpoint kills every node at once, says so, and
-  leaves no process and no published partial checkpoint.
+  leaves no process and no published partial checkpoint; a save longer than --grace is killed at
+  the end of the grace, and the log says so and why.
 """
 
 from __future__ import annotations
@@ -109,3 +110,24 @@ def test_a_second_ctrl_c_kills_at_once_and_publishes_no_partial_checkpoint(tmp_p
     assert re.search(r"^local0\s+0\s+.*SIGKILL from ddp-launch", text, re.M), text
     assert f"no process of job {job} remains" in text and job_pids(job) == []
     assert checkpoint.list_checkpoints(ckpts) == []  # the interrupted save published nothing
+
+
+def test_a_save_longer_than_the_grace_is_killed_and_the_log_says_why(tmp_path: Path) -> None:
+    inv = local_inventory(tmp_path)
+    job = job_id("st-grace")
+    args = ["--hosts", str(inv), "--job-id", job, "--grace", "3", *TRAIN_30, *SLOW,
+            "--set", "checkpoint.interval_steps=0", "--set", "debug.save_delay_s=60",
+            "--set", f"run.dir={tmp_path / 'runs'}"]  # fmt: skip
+    run = Launcher(args, tmp_path)
+    try:
+        run.wait_for(r"\[local0 r0\] .*INFO step 3/30 ", timeout=120)
+        run.proc.send_signal(signal.SIGTERM)
+        code = run.wait(timeout=60)
+    finally:
+        stop(run, job)
+    text = run.text
+    assert code == 143, text
+    assert "KILL after 3s (--grace)" in text, text
+    assert re.search(r"still running 3s after SIGTERM \(--grace\): local0\b.*; sending KILL", text), text
+    assert re.search(r"^local0\s+0\s+.*SIGKILL from ddp-launch after SIGTERM", text, re.M), text
+    assert f"job {job} FAILED" in text and job_pids(job) == []
