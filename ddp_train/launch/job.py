@@ -364,7 +364,10 @@ class Job:
 
         One signal goes to each node's torchrun agent only (the group leader), never to the workers as
         well: torchrun passes it on to its workers exactly once (ddp_train/agent.py), and a worker that
-        got it twice would die mid-step (trainer.StopRequest: a second signal kills).
+        got it twice would die mid-step (trainer.StopRequest: a second signal kills). The workers are
+        not even in the group: torchrun starts each in its own session (torch 2.13,
+        elastic/multiprocessing/subprocess_handler/subprocess_handler.py), hence the DDP_JOB_ID scan
+        of SIGNAL_SCRIPT for failures.
         """
         self.stop_signal = sig
         name = signal.Signals(sig).name
