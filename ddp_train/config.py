@@ -111,6 +111,7 @@ class CheckpointConfig:
     interval_steps: int = 10
     keep_latest_k: int = 3
     resume: str = "auto"
+    io_timeout_s: float = 1800.0
 
 
 @dataclass
@@ -118,6 +119,7 @@ class DistConfig:
     backend: str = "auto"
     device: str = "auto"
     init_timeout_s: float = 300.0
+    collective_timeout_s: float = 300.0
 
 
 @dataclass

@@ -96,25 +96,62 @@ def select_backend(cfg: DistConfig, device: torch.device) -> str:
     return cfg.backend
 
 
+_IO_STORE: Any = None  # the rendezvous store, for waits that must not be collectives (wait_for_io)
+_IO_SEQ = 0
+
+
 def init(cfg: DistConfig, env: DistEnv, device: torch.device) -> str | None:
-    """Join the process group (env:// rendezvous from torchrun); returns the backend or None alone."""
+    """Join the process group (env:// rendezvous from torchrun); returns the backend or None alone.
+
+    Two timeouts: dist.init_timeout_s bounds the rendezvous and the group's setup (all ranks joining),
+    dist.collective_timeout_s every collective afterwards. The rendezvous store is kept for wait_for_io.
+    """
+    global _IO_STORE, _IO_SEQ
     if not env.distributed:
         return None
     backend = select_backend(cfg, device)
-    timeout = datetime.timedelta(seconds=cfg.init_timeout_s)
-    kwargs: dict[str, Any] = {"timeout": timeout}
+    init_timeout = datetime.timedelta(seconds=cfg.init_timeout_s)
+    kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=cfg.collective_timeout_s)}
     if backend == "nccl" and "device_id" in inspect.signature(dist.init_process_group).parameters:
         kwargs["device_id"] = device  # eager NCCL init bound to this rank's GPU (torch >= 2.3)
-    if not env.agent_store:
-        dist.init_process_group(backend=backend, **kwargs)
-        return backend
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
-    store.set_timeout(timeout)
-    namespace = _fresh_namespace(store, rank, world, cfg.init_timeout_s)
+    # What init_process_group(init_method="env://") does itself (distributed_c10d.init_process_group:
+    # rendezvous(...) then PrefixStore), done here so the rendezvous gets the init timeout and the group
+    # the collective timeout; with torchrun's agent store this connects to that store as a client.
+    store, rank, world = next(dist.rendezvous("env://", timeout=init_timeout))
+    store.set_timeout(init_timeout)
+    if env.agent_store:
+        namespace = _fresh_namespace(store, rank, world, cfg.init_timeout_s)
+    else:
+        namespace = "ddp_train/pg/"
     dist.init_process_group(
         backend=backend, store=dist.PrefixStore(namespace, store), rank=rank, world_size=world, **kwargs
     )
+    _IO_STORE, _IO_SEQ = dist.PrefixStore(namespace + "io/", store), 0
     return backend
+
+
+def wait_for_io(src: int, timeout_s: float) -> None:
+    """Wait until rank `src` finished its I/O (checkpoint save/load) before the next collective.
+
+    Every rank calls it at the same point: `src` publishes a key, the others wait on the store for up
+    to `timeout_s`. A store wait, not a barrier, so a long fsync on one rank cannot trip the process
+    group's collective timeout on the others. No-op alone.
+    """
+    global _IO_SEQ
+    if not active() or _IO_STORE is None:
+        return
+    _IO_SEQ += 1
+    key = f"done/{_IO_SEQ}"
+    if dist.get_rank() == src:
+        _IO_STORE.set(key, "1")
+        return
+    try:
+        _IO_STORE.wait([key], datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:  # the store raises DistStoreError / RuntimeError on timeout
+        raise TimeoutError(
+            f"rank {src} did not finish its checkpoint I/O within checkpoint.io_timeout_s={timeout_s:g}s "
+            f"({type(exc).__name__})"
+        ) from None
 
 
 def _fresh_namespace(store: dist.Store, rank: int, world: int, timeout_s: float) -> str:
@@ -151,6 +188,8 @@ def _fresh_namespace(store: dist.Store, rank: int, world: int, timeout_s: float)
 
 def shutdown() -> None:
     """Leave the process group if one was joined (call from a `finally`)."""
+    global _IO_STORE
+    _IO_STORE = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

@@ -7,8 +7,10 @@ import ctypes
 import gc
 import hashlib
 import logging
+import os
 import random
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -165,23 +167,46 @@ class Trainer:
     # --- resume / save ----------------------------------------------------------------------------
 
     def _resume(self) -> bool:
-        """Rank 0 finds the newest valid checkpoint and sends it to all ranks (no shared disk needed)."""
+        """Resume from the newest valid checkpoint found on any node, broadcast from the rank that has it.
+
+        Checkpoints are written on rank 0's node only; after a restart in which another node became
+        rank 0 (c10d orders nodes by address) they may live on a node that is now rank 3. So one rank
+        per node (LOCAL_RANK 0) lists its checkpoint.dir, the newest step wins (rank 0 on a tie, e.g. a
+        shared directory), and that rank loads, checks and broadcasts it: no shared disk is needed.
+        """
+        report: dict[str, Any] = {"step": None}
+        if self.env.local_rank == 0:
+            try:
+                report = {"step": self._newest_step(), "host": socket.gethostname()}
+            except ConfigError as exc:
+                report = {"error": [exc.source, exc.field, exc.message]}
+        reports = distributed.all_gather_objects(report)
+        for r in reports:
+            if "error" in r:
+                raise ConfigError(*r["error"])
+        steps = [(r["step"], -rank) for rank, r in enumerate(reports) if r.get("step") is not None]
+        if not steps:
+            return False
+        src = -max(steps)[1]
         header: dict[str, Any] = {"path": None}
         found = None
-        if self.env.is_main:
+        if self.env.rank == src:
             try:
-                found = self._find_checkpoint()
+                found = checkpoint.load_latest(self.cfg.checkpoint_dir)
                 header = {"path": str(found[1]) if found else None}
             except ConfigError as exc:
                 header = {"error": [exc.source, exc.field, exc.message]}
-        header = distributed.broadcast_object(header)
+        # the read + CRC check happen on one rank: the others wait on the store, not in a collective
+        distributed.wait_for_io(src, self.cfg.checkpoint.io_timeout_s)
+        header = distributed.broadcast_object(header, src)
         if "error" in header:
             raise ConfigError(*header["error"])
         if header["path"] is None:
             return False
-        state = distributed.broadcast_state(found[0] if found else None, self.device)
+        state = distributed.broadcast_state(found[0] if found else None, self.device, src)
         self._apply(state, header["path"])
-        log.info("resumed from %s at step %d", header["path"], self.step)
+        where = f" (on {reports[src].get('host')}, rank {src})" if src != 0 else ""
+        log.info("resumed from %s at step %d%s", header["path"], self.step, where)
         if self.step >= self.cfg.train.max_steps:
             log.info(
                 "checkpoint step %d >= train.max_steps %d: nothing left to train",
@@ -190,7 +215,8 @@ class Trainer:
             )
         return True
 
-    def _find_checkpoint(self) -> tuple[dict[str, Any], Any] | None:
+    def _newest_step(self) -> int | None:
+        """This node's newest checkpoint step (by name; its contents are checked when it is loaded)."""
         directory = self.cfg.checkpoint_dir
         if self.cfg.checkpoint.resume == "never":
             existing = checkpoint.list_checkpoints(directory)
@@ -204,7 +230,8 @@ class Trainer:
             return None
         for tmp in checkpoint.remove_stale_temps(directory):
             log.warning("removed %s left by an interrupted save", tmp.name)
-        return checkpoint.load_latest(directory)
+        found = checkpoint.list_checkpoints(directory)
+        return found[-1][0] if found else None
 
     def _apply(self, state: dict[str, Any], path: str) -> None:
         try:
@@ -252,11 +279,16 @@ class Trainer:
                 "torch_version": str(torch.__version__),
             }
             directory = self.cfg.checkpoint_dir
+            t0 = time.perf_counter()
             path = checkpoint.save(state, directory, self.step, self.cfg.debug.save_delay_s)
             pruned = checkpoint.prune(directory, self.cfg.checkpoint.keep_latest_k)
-            log.info("saved %s%s", path, f" (deleted {len(pruned)} older)" if pruned else "")
+            # "in N.NNs": ddp-launch reads it to size the grace period of a stop (launch/job.py)
+            seconds = time.perf_counter() - t0
+            deleted = f" (deleted {len(pruned)} older)" if pruned else ""
+            log.info("saved %s in %.2fs%s", path, seconds, deleted)
         self.saved_step = self.step
-        distributed.barrier()
+        # rank 0's write + fsync may outlast the collective timeout: wait on the store, sized for I/O
+        distributed.wait_for_io(0, self.cfg.checkpoint.io_timeout_s)
 
     # --- training ---------------------------------------------------------------------------------
 
@@ -429,6 +461,28 @@ class Trainer:
         return exitcodes.OK
 
 
+# PyTorch's NCCL flight recorder: on a collective timeout the watchdog dumps the last collectives of every
+# rank. TORCH_NCCL_DUMP_ON_TIMEOUT needs a trace buffer > 0 and TORCH_NCCL_ENABLE_MONITORING (on by
+# default); the files are <dump file prefix><rank> (torch 2.13: c10d/ProcessGroupNCCL.hpp and
+# FlightRecorder.hpp, where TORCH_FR_BUFFER_SIZE / TORCH_FR_DUMP_TEMP_FILE are the current names and
+# TORCH_NCCL_TRACE_BUFFER_SIZE / TORCH_NCCL_DEBUG_INFO_TEMP_FILE the deprecated ones that still work).
+# Read when the group is created, so set before init.
+FLIGHT_RECORDER_BUFFER = "2000"
+
+
+def flight_recorder_env(run_dir: Any, environ: Any = None) -> dict[str, str]:
+    """The flight recorder defaults this run adds (a variable the user set, under either name, wins)."""
+    env = os.environ if environ is None else environ
+    added = {}
+    if "TORCH_NCCL_DUMP_ON_TIMEOUT" not in env:
+        added["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+    if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env and "TORCH_FR_BUFFER_SIZE" not in env:
+        added["TORCH_FR_BUFFER_SIZE"] = FLIGHT_RECORDER_BUFFER
+    if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in env and "TORCH_FR_DUMP_TEMP_FILE" not in env:
+        added["TORCH_FR_DUMP_TEMP_FILE"] = f"{run_dir}/nccl_trace_rank_"
+    return added
+
+
 def run(cfg: Config, source: str = "config") -> int:
     """Run one rank (alone or under torchrun): set up the process group, train, tear it down."""
     stop = StopRequest()
@@ -438,6 +492,7 @@ def run(cfg: Config, source: str = "config") -> int:
         env = distributed.read_env()
         setup_logging(env.rank, cfg.log.level)
         device = distributed.select_device(cfg.dist, env)
+        os.environ.update(flight_recorder_env(cfg.run_dir))
         distributed.init(cfg.dist, env, device)
         trainer = Trainer(cfg, env, device, stop)
         code = trainer.fit()

@@ -4,7 +4,7 @@
     ddp-launch doctor --hosts INVENTORY [options]
 
 Exit codes: 0 ok; 1 a node failed, could not start, or was lost; 2 bad input; 3 preflight failed;
-124 --timeout; 128+N stopped by signal N.
+124 --timeout; 128+N stopped by signal N (130 Ctrl-C, 143 SIGTERM); after a stop every node saved.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ EPILOG = """examples:
   ddp-launch --hosts inventory/prod --dry-run -- --extra-trainer-arg
 
 exit codes: 0 ok; 1 a node failed, could not start or was lost; 2 bad input; 3 preflight failed;
-  124 --timeout; 128+N stopped by signal N (130 = Ctrl-C)."""
+  124 --timeout; 130 Ctrl-C, 143 SIGTERM (128+N for signal N). A stop lets every rank finish its step
+  and save a checkpoint (run the same command again to resume); a second Ctrl-C kills at once."""
 EXIT_USAGE, EXIT_PREFLIGHT = 2, 3
 
 
@@ -120,9 +121,16 @@ def _parser(doctor: bool) -> argparse.ArgumentParser:
         "--log-dir", default="logs", metavar="DIR", help="logs go to DIR/<job>/<host>.log [logs]"
     )
     job.add_argument(
-        "--grace", type=float, default=10, metavar="S", help="seconds between TERM and KILL at teardown [10]"
+        "--grace",
+        type=float,
+        metavar="S",
+        help="seconds a stop (Ctrl-C, SIGTERM, --timeout) waits for every rank to finish its step and save "
+        "before KILL [derived from the measured save and step times, at least 30, at most 600]; a node "
+        "failure waits min(S, 10)",
     )
-    job.add_argument("--timeout", type=float, metavar="S", help="stop the job after S seconds (exit 124)")
+    job.add_argument(
+        "--timeout", type=float, metavar="S", help="stop the job after S seconds, as SIGTERM does (exit 124)"
+    )
     job.add_argument("--skip-preflight", action="store_true", help="launch without the preflight checks")
     job.add_argument("--dry-run", action="store_true", help="print the exact command of every node and exit")
     return p
@@ -200,6 +208,7 @@ def _plan(opts: argparse.Namespace, trainer_args: list[str], doctor: bool) -> Jo
         env=env,
         debug=opts.debug,
         rdzv=None if doctor else opts.rdzv,
+        grace=None if doctor else opts.grace,
     )
     return build_plan(nodes, options)
 
@@ -225,13 +234,14 @@ def _check_config(path: str | None, overrides: Sequence[str]) -> str | None:
 
 
 def _dry_run(plan: JobPlan) -> int:
-    from ddp_train.launch.plan import command
+    from ddp_train.launch.plan import command, shown_env
 
     where = (f"MASTER_ADDR={plan.master_addr} MASTER_PORT={plan.master_port}" if plan.rdzv == "static"
              else f"c10d rendezvous at {plan.master_addr}:{plan.master_port}")  # fmt: skip
     print(f"# job {plan.job_id}: {len(plan.nodes)} nodes, {where}")
     for p in plan.nodes:
         print(f"# [{p.label}] {p.node.where}")
+        print(f"# environment, sent on stdin: {shown_env(p)}")
         print(command(p, masked=True))
     return 0
 

@@ -1,9 +1,14 @@
 """Run a planned job: start every node at once, stream logs, fail fast, tear down, verify, summarize.
 
-One thread per node holds that node's run connection. The first node that exits non-zero (or whose SSH
-connection drops), a signal to the launcher, or --timeout makes the launcher signal every node's
-process group (TERM, then KILL after a grace period) through a second connection, then check that no
-process carrying the job's DDP_JOB_ID is left on any node.
+One thread per node holds that node's run connection (and answers its SSH heartbeats). Through a second
+connection the launcher then either
+- stops the job (Ctrl-C, SIGTERM, --timeout): one signal to each node's torchrun agent only, which
+  passes it once to its workers; every rank finishes its step, rank 0 saves, every node exits
+  128 + signal. KILL only after a grace period sized from the measured save time, or at a second
+  Ctrl-C; or
+- tears it down (a node failed, exited, or went silent): TERM to every node's whole process group,
+  KILL after a short grace, counted from the first unanswered heartbeat of a silent node;
+and finally checks that no process carrying the job's DDP_JOB_ID is left on any node it can reach.
 """
 
 from __future__ import annotations
@@ -19,7 +24,15 @@ from typing import Any
 
 from ddp_train.launch.errors import one_line
 from ddp_train.launch.logs import JobLog, first_error, table
-from ddp_train.launch.plan import PGID_MARKER, JobPlan, NodePlan, command
+from ddp_train.launch.plan import (
+    PGID_MARKER,
+    STOP_GRACE_MAX_S,
+    JobPlan,
+    NodePlan,
+    command,
+    env_line,
+    shown_env,
+)
 from ddp_train.launch.preflight import parallel
 from ddp_train.launch.remote import LOST, RemoteError, Session, Stream, open_session
 
@@ -32,17 +45,29 @@ PEER_FAILURE = re.compile(
 )
 OUR_SIGNAL = re.compile(r"SignalException|got signal: 15")  # what torchrun says after our SIGTERM
 ROOT_CAUSE_WINDOW_S = 2.0  # failures this close to the first one may be its cause reported a bit later
+FAILURE_GRACE_S = 10.0  # teardown after a failure: TERM -> KILL (peers stuck in a collective never save)
+STOP_GRACE_MIN_S = 30.0  # a stop waits at least torchrun's default shutdown timeout (30 s) before KILL
+HEARTBEAT_LOST_S = 10.0  # an SSH heartbeat unanswered this long: the node is lost (silent partition)
+# What the trainer prints (trainer.py): save and step times size a stop's grace; the stop line per rank.
+SAVE_TIME = re.compile(r" INFO saved .+\.pt in (\d+(?:\.\d+)?)s")
+STEP_TIME = re.compile(r" INFO step \d+/\d+ .* (\d+(?:\.\d+)?) s/step")
+STOPPED = re.compile(r"ddp-train: stopped rank=(\d+) world=\d+ step=(\d+) signal=(\w+)")
 
-# Signals one node's processes: its process group, then any process of this job (DDP_JOB_ID in its
-# environment) in this host's network namespace that left the group. SIG "-" only lists them.
+# Signals one node's processes: scope "all": its process group, then any process of this job
+# (DDP_JOB_ID in its environment) in this host's network namespace that left the group; scope "leader":
+# only the group leader (the agent running torchrun, which passes the signal on to its workers once).
+# SIG "-" only lists them.
 SIGNAL_SCRIPT = r"""
-sig=$1; pgid=$2; id=$3
-if [ "$sig" != - ] && [ -n "$pgid" ]; then kill -s "$sig" -- "-$pgid" 2>/dev/null; fi
+sig=$1; pgid=$2; id=$3; scope=$4
+if [ "$sig" != - ] && [ -n "$pgid" ]; then
+  if [ "$scope" = leader ]; then kill -s "$sig" "$pgid" 2>/dev/null
+  else kill -s "$sig" -- "-$pgid" 2>/dev/null; fi
+fi
 me=$(readlink /proc/self/ns/net)
 for f in $(grep -lxzsF -- "DDP_JOB_ID=$id" /proc/[0-9]*/environ 2>/dev/null); do
   p=${f#/proc/}; p=${p%/environ}
   [ "$(readlink "/proc/$p/ns/net" 2>/dev/null)" = "$me" ] || continue
-  if [ "$sig" != - ]; then kill -s "$sig" "$p" 2>/dev/null; fi
+  if [ "$sig" != - ] && [ "$scope" != leader ]; then kill -s "$sig" "$p" 2>/dev/null; fi
   echo "JOBPROC $p $(tr '\0' ' ' < "/proc/$p/cmdline" 2>/dev/null | cut -c1-160)"
 done
 exit 0
@@ -62,6 +87,8 @@ class NodeRun:
     lost: str | None = None
     error: str | None = None  # could not connect/start
     signalled: str | None = None  # the signal the launcher sent, if any
+    silent: str | None = None  # why the node counts as lost although its connection looked open
+    silent_since: float | None = None  # monotonic time of its first unanswered heartbeat
     ended: float | None = None
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
@@ -97,15 +124,19 @@ class Job:
         log: JobLog,
         control: dict[str, Session] | None = None,
         connect_timeout: float = 10,
-        grace: float = 10,
+        grace: float | None = None,
         timeout: float | None = None,
     ) -> None:
         self.plan = plan
         self.log = log
         self.control = dict(control or {})
         self.connect_timeout = connect_timeout
-        self.grace = grace
+        self.grace = grace  # --grace; None: a stop's grace is derived from the measured save time
+        self.failure_grace = FAILURE_GRACE_S if grace is None else min(grace, FAILURE_GRACE_S)
         self.timeout = timeout
+        self.longest_save = 0.0  # seconds, from the trainer's "saved ... in N s" lines
+        self.longest_step = 0.0
+        self.stop_signal: int | None = None  # what a stop sent to the nodes
         self.runs = [NodeRun(p) for p in plan.nodes]
         self.events: queue.Queue[NodeRun] = queue.Queue()
         self.signal: int | None = None
@@ -161,10 +192,10 @@ class Job:
                 r = self.events.get(timeout=0.2)
             except queue.Empty:
                 r = None
+            self._check_heartbeats()
             if self.signal:
                 self.reason = self._signal_reason()
-                self.log.note(f"{self.reason}: stopping every node")
-                self._teardown()
+                self._stop(signal.SIGINT if self.signal == signal.SIGINT else signal.SIGTERM)
                 return 128 + self.signal
             if r is not None:
                 finished += 1
@@ -181,8 +212,7 @@ class Job:
                 self.log.note(f"{r.plan.label} finished: {r.status()}", console=False)
             if deadline is not None and time.monotonic() > deadline:
                 self.reason = f"--timeout {self.timeout:g}s reached"
-                self.log.note(f"{self.reason}: stopping every node")
-                self._teardown()
+                self._stop(signal.SIGTERM)
                 return EXIT_TIMEOUT
         self.reason = "every node finished"
         return EXIT_OK
@@ -192,6 +222,7 @@ class Job:
     def _connect(self, r: NodeRun) -> None:
         try:
             r.session = open_session(r.plan.node, self.connect_timeout)
+            r.session.start_heartbeat()
         except RemoteError as e:
             r.error = str(e)
             r.done.set()
@@ -204,13 +235,20 @@ class Job:
             if self.signal or self.first is not None:
                 r.error = "not started: the job was already stopping"
                 return
-            r.stream = r.session.start(cmd)
+            r.stream = r.session.start(cmd, stdin=True)
             r.started = True
-            self.log.note(f"{r.plan.label}: started: {command(r.plan, masked=True)}", console=False)
+            r.stream.send(env_line(r.plan))  # the environment never appears in a command line
+            r.stream.close_stdin()
+            self.log.note(
+                f"{r.plan.label}: started: {command(r.plan, masked=True)} (environment on stdin: "
+                f"{shown_env(r.plan)})",
+                console=False,
+            )
             for line in r.stream.lines():
                 if r.pgid is None and line.startswith(PGID_MARKER):
                     r.pgid = int(line.split()[1])
                     continue
+                self._measure(line)
                 self.log.line(r.name, r.plan.label, line)
             r.code, r.lost = r.stream.wait(timeout=30)
         except (RemoteError, threading.BrokenBarrierError) as e:
@@ -218,9 +256,34 @@ class Job:
         except Exception as e:  # a bug here must still end the job cleanly, never hang it
             r.error = f"launcher error: {type(e).__name__}: {one_line(str(e))}"
         finally:
+            if r.silent:
+                r.code, r.lost, r.error = None, f"{LOST}: {r.silent}", None
             r.ended = time.monotonic()
             r.done.set()
             self.events.put(r)
+
+    def _measure(self, line: str) -> None:
+        """Keep the longest checkpoint save and step the trainer reported (they size a stop's grace)."""
+        for pattern, attr in ((SAVE_TIME, "longest_save"), (STEP_TIME, "longest_step")):
+            m = pattern.search(line)
+            if m:
+                setattr(self, attr, max(getattr(self, attr), float(m.group(1))))
+
+    def _check_heartbeats(self) -> None:
+        """A node whose SSH heartbeat goes unanswered for HEARTBEAT_LOST_S is lost: drop its connection.
+
+        Its thread then ends as "ssh connection lost" and the usual fail-fast path runs; teardown's grace
+        counts from the first unanswered heartbeat, and nobody waits for that node again.
+        """
+        for r in self.runs:
+            if not r.started or r.done.is_set() or r.silent or r.session is None:
+                continue
+            quiet = r.session.silent_for()
+            if quiet > HEARTBEAT_LOST_S:
+                r.silent = f"no reply to SSH heartbeats for {quiet:.0f}s"
+                r.silent_since = time.monotonic() - quiet
+                self.log.note(f"{r.plan.label}: {r.silent}; the node is lost", console=False)
+                r.session.close()
 
     def _root_cause(self) -> NodeRun:
         """The node that failed first on its own; a node that only reports a lost peer is a victim."""
@@ -248,13 +311,18 @@ class Job:
     # ---- teardown ---------------------------------------------------------------------------------
 
     def _teardown(self) -> None:
-        """TERM every started node's process group, wait `grace`, then KILL what is left."""
-        live = [r for r in self.runs if r.started or r.session is not None]
+        """After a failure: TERM every started node's process group, KILL what is left after the grace.
+
+        A node already known lost (silent) is not contacted; the grace counts from its first unanswered
+        heartbeat, since the other nodes' workers have been stuck in a collective with it since then.
+        """
+        live = [r for r in self.runs if (r.started or r.session is not None) and not r.silent]
         pending = [r for r in live if not r.done.is_set()]
         for r in pending:
             r.signalled = "SIGTERM from ddp-launch"
+        start = min([time.monotonic()] + [r.silent_since for r in self.runs if r.silent_since is not None])
         parallel(lambda r: self._send(r, "TERM"), live)
-        deadline = time.monotonic() + self.grace
+        deadline = start + self.failure_grace
         while any(not r.done.is_set() for r in pending) and time.monotonic() < deadline:
             if self.signal_count > 1:
                 self.log.note("second signal: killing now")
@@ -263,10 +331,15 @@ class Job:
         stubborn = [r for r in live if not r.done.is_set()]
         if stubborn:
             self.log.note(
-                f"still running after {self.grace:g}s: {', '.join(r.name for r in stubborn)}; sending KILL"
+                f"still running {time.monotonic() - start:.0f}s after the failure: "
+                f"{', '.join(r.name for r in stubborn)}; sending KILL"
             )
             for r in stubborn:
                 r.signalled = "SIGKILL from ddp-launch"
+        self._kill(live)
+
+    def _kill(self, live: list[NodeRun]) -> None:
+        """KILL every process of the job on these nodes; unblock the threads of nodes that do not end."""
         parallel(lambda r: self._send(r, "KILL"), live)
         deadline = time.monotonic() + 5
         while any(not r.done.is_set() for r in live) and time.monotonic() < deadline:
@@ -275,6 +348,74 @@ class Job:
             if not r.done.is_set() and r.stream is not None:
                 r.stream.close()  # unblock its thread; the verification below reports what is left
 
+    def _stop_grace(self) -> tuple[float, str]:
+        """Seconds a stop waits before KILL, and how that number came about."""
+        if self.grace is not None:
+            return self.grace, "--grace"
+        measured = 2 * (self.longest_save + self.longest_step) + 10
+        grace = min(float(STOP_GRACE_MAX_S), max(STOP_GRACE_MIN_S, measured))
+        return grace, (
+            f"2 x (longest save {self.longest_save:.2f}s + step {self.longest_step:.2f}s) + 10s, "
+            f"at least {STOP_GRACE_MIN_S:g}s"
+        )
+
+    def _stop(self, sig: int) -> None:
+        """Ctrl-C, SIGTERM or --timeout: every rank finishes its step, rank 0 saves, every node exits.
+
+        One signal goes to each node's torchrun agent only (the group leader), never to the workers as
+        well: torchrun passes it on to its workers exactly once (ddp_train/agent.py), and a worker that
+        got it twice would die mid-step (trainer.StopRequest: a second signal kills). The workers are
+        not even in the group: torchrun starts each in its own session (torch 2.13,
+        elastic/multiprocessing/subprocess_handler/subprocess_handler.py), hence the DDP_JOB_ID scan
+        of SIGNAL_SCRIPT for failures.
+        """
+        self.stop_signal = sig
+        name = signal.Signals(sig).name
+        live = [r for r in self.runs if r.started and not r.done.is_set() and not r.silent]
+        for r in live:
+            r.signalled = f"{name} from ddp-launch"
+        grace, how = self._stop_grace()
+        self.log.note(
+            f"{self.reason}: every node finishes its step and saves ({name} to torchrun); KILL after "
+            f"{grace:.0f}s ({how}); press Ctrl-C again to kill now"
+        )
+        parallel(lambda r: self._send(r, name[3:], scope="leader"), live)
+        seen = self.signal_count
+        deadline = time.monotonic() + grace
+        while any(not r.done.is_set() for r in live):
+            self._check_heartbeats()
+            if self.signal_count > seen:
+                again = signal.Signals(self.signal or sig).name
+                self.log.note(
+                    f"{again} again during the grace period: sending KILL to every node now (a checkpoint "
+                    "being written is lost; the previous one stays valid)"
+                )
+                break
+            if time.monotonic() > deadline:
+                stubborn = ", ".join(r.name for r in live if not r.done.is_set())
+                self.log.note(f"still running {grace:.0f}s after {name} ({how}): {stubborn}; sending KILL")
+                break
+            time.sleep(0.1)
+        for r in live:
+            if not r.done.is_set():
+                r.signalled = f"SIGKILL from ddp-launch after {name}"
+        if any(not r.done.is_set() for r in live):
+            self._kill(live)
+        for r in live:
+            self.log.note(f"{r.plan.label}: {self._stop_outcome(r)}")
+
+    def _stop_outcome(self, r: NodeRun) -> str:
+        """One line: how a node ended after a stop (its ranks' stop lines say which step they saved)."""
+        stopped = [m.groups() for m in map(STOPPED.search, self.log.tail(r.name)) if m]
+        steps = sorted({int(step) for _, step, _ in stopped})
+        ranks = ",".join(rank for rank, _, _ in sorted(stopped, key=lambda g: int(g[0])))
+        if r.code == 128 + (self.stop_signal or 0) and steps:
+            saved = ", checkpoint saved" if any(rank == "0" for rank, _, _ in stopped) else ""
+            return f"exit {r.code}: rank {ranks} stopped after step {steps[-1]}{saved}"
+        if r.code == 0:
+            return "exit 0: had already finished"
+        return f"{r.status()}: no clean stop"
+
     def _control(self, r: NodeRun) -> Session:
         """The node's second connection (not the one running the job), opened again if it dropped."""
         session = self.control.get(r.name)
@@ -282,13 +423,15 @@ class Job:
             session = self.control[r.name] = open_session(r.plan.node, self.connect_timeout)
         return session
 
-    def _signal_cmd(self, sig: str, pgid: int | None) -> str:
-        return shlex.join(["sh", "-c", SIGNAL_SCRIPT, "ddp-launch", sig, str(pgid or ""), self.plan.job_id])
+    def _signal_cmd(self, sig: str, pgid: int | None, scope: str = "all") -> str:
+        return shlex.join(
+            ["sh", "-c", SIGNAL_SCRIPT, "ddp-launch", sig, str(pgid or ""), self.plan.job_id, scope]
+        )
 
-    def _send(self, r: NodeRun, sig: str) -> list[str]:
-        """Signal the node's job processes; returns what the node still listed."""
+    def _send(self, r: NodeRun, sig: str, scope: str = "all") -> list[str]:
+        """Signal the node's job processes (scope "leader": torchrun's agent only); what it still lists."""
         try:
-            _, out = self._control(r).exec(self._signal_cmd(sig, r.pgid), timeout=30)
+            _, out = self._control(r).exec(self._signal_cmd(sig, r.pgid, scope), timeout=30)
         except RemoteError as e:
             self.log.note(f"{r.name}: cannot send {sig}: {e}")
             return [f"unknown: {e}"]
@@ -296,7 +439,7 @@ class Job:
 
     def _verify(self) -> dict[str, list[str]]:
         """Every node, after the end: is any process of this job left? Kill and report it."""
-        targets = [r for r in self.runs if r.started or r.session is not None]
+        targets = [r for r in self.runs if (r.started or r.session is not None) and not r.silent]
 
         def check(r: NodeRun) -> list[str]:
             left = self._send(r, "-")
@@ -308,10 +451,13 @@ class Job:
 
         results = parallel(check, targets)
         leftovers = {r.name: left for r, left in zip(targets, results) if left}
+        for r in self.runs:
+            if r.silent:  # trying would only wait for a connect timeout
+                leftovers[r.name] = [f"unknown: not checked, the node is unreachable ({r.silent})"]
         if leftovers:
             for name, left in leftovers.items():
                 self.log.note(f"{name}: processes of job {self.plan.job_id} remain: {'; '.join(left)}")
-        else:
+        if not leftovers:
             self.log.note(f"checked {len(targets)} nodes: no process of job {self.plan.job_id} remains")
         return leftovers
 
@@ -341,13 +487,35 @@ class Job:
 
     # ---- summary ----------------------------------------------------------------------------------
 
+    def _stopped_cleanly(self) -> list[NodeRun]:
+        """After a stop: the nodes that had finished (0), or exited 128 + signal after their ranks said
+        they stopped (which they print only once the checkpoint is saved)."""
+        if not self.stop_signal:
+            return []
+        sig = 128 + self.stop_signal
+        return [
+            r
+            for r in self.runs
+            if r.code == 0 or (r.code == sig and any(map(STOPPED.search, self.log.tail(r.name))))
+        ]
+
     def _summary(self, code: int, leftovers: dict[str, list[str]], elapsed: float) -> None:
         rows = []
+        clean = self._stopped_cleanly()
         for r in self.runs:
             err = r.error or (first_error(self.log.tail(r.name)) if r.failed or r.signalled else None)
+            if r in clean:
+                err = None  # a node that stopped as asked has no error to show
             rows.append([r.name, r.plan.rank, r.status(), one_line(err or "", 100)])
         self.log.block(table(["HOST", "RANK", "STATUS", "FIRST ERROR"], rows))
-        verdict = "succeeded" if code == EXIT_OK and not leftovers else f"FAILED ({self.reason})"
+        if code == EXIT_OK and not leftovers:
+            verdict = "succeeded"
+        elif self.stop_signal and len(clean) == len(self.runs) and not leftovers:
+            steps = {m.group(2) for r in self.runs for m in map(STOPPED.search, self.log.tail(r.name)) if m}
+            step = f" after step {', '.join(sorted(steps))}" if steps else ""
+            verdict = f"stopped ({self.reason}){step}, checkpoint saved; the same command resumes from it"
+        else:
+            verdict = f"FAILED ({self.reason})"
         self.log.note(f"job {self.plan.job_id} {verdict} in {elapsed:.1f}s; logs: {self.log.dir}")
         self.log.write_json(
             "summary.json",

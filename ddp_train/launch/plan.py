@@ -1,13 +1,17 @@
 """The job plan: which node is master, each node's rank, env and the exact torchrun command it runs.
 
-Every remote command is built only from shlex-quoted parts, so inventory values, env values and
-trainer arguments reach the trainer verbatim and are never interpreted by a shell.
+Every remote command is built only from shlex-quoted parts, so inventory values and trainer arguments
+reach the trainer verbatim and are never interpreted by a shell. The environment (ddp_env, --env)
+is not in the command at all: it goes to the node's agent as one JSON line on stdin (`env_line`), so
+no value, secret or not, is readable in `ps` or /proc/PID/cmdline there.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import json
+import math
 import re
 import secrets
 import shlex
@@ -25,6 +29,10 @@ JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MASK = "***"
 DEBUG_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET", "TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
 CONFIG_DIR = ".ddp-launch"  # per-job copies of --config on remote nodes, under the workdir
+# The longest grace a stop (Ctrl-C, SIGTERM, --timeout) may get: torchrun's own wait before it kills the
+# workers (TORCH_ELASTIC_SHUTDOWN_TIMEOUT), so that the launcher, not torchrun, decides when to KILL.
+STOP_GRACE_MAX_S = 600
+ARGV_ENV = ("DDP_JOB_ID",)  # on the command line: how teardown finds the job's processes; no secret
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +49,7 @@ class Options:
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     debug: bool = False
     rdzv: str | None = None  # static | c10d; None: c10d when restarts are allowed on several nodes
+    grace: float | None = None  # --grace: seconds a stop waits before KILL (None: derived, capped)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +220,8 @@ def master_address(master: Node, explicit: str | None, all_local: bool) -> str:
 def _node_plan(
     node: Node, rank: int, nnodes: int, rdzv_args: list[str], job_id: str, options: Options, static: bool
 ) -> NodePlan:
-    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    shutdown = STOP_GRACE_MAX_S if options.grace is None else max(1, math.ceil(options.grace))
+    env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(shutdown)}
     if not static:
         # torch shares the c10d rendezvous store with the workers by default, and a restarted round then
         # reads the previous round's peer addresses (gloo: "Connection refused"); a fresh store per round
@@ -252,19 +262,35 @@ def remote_config_path(node: Node, job_id: str, local_path: str) -> str:
 
 
 def command(plan: NodePlan, masked: bool = False) -> str:
-    """The shell command a node runs: cd workdir; setsid env ... torchrun, printing its PGID first.
+    """The shell command a node runs: cd workdir; setsid the agent, which prints its PGID first.
 
-    `setsid -w` puts torchrun and every worker in one new process group (PGID = the pid of the inner
-    `sh`, which prints it and then execs torchrun), so teardown can signal the whole tree at once; it
-    waits for torchrun and passes its exit status back. Only processes inside the group carry the job's
-    env (DDP_JOB_ID), so signalling them never kills setsid itself and the exit status survives.
+    `setsid -w` puts the agent (ddp_train.agent, which runs torchrun in its own process) and every
+    worker in one new process group (PGID = the pid of the inner `sh`, which prints it and then execs
+    the agent), so teardown can signal torchrun alone (a stop) or the whole tree (a failure); it waits
+    and passes the exit status back. Only DDP_JOB_ID is on the command line (processes inside the group
+    carry it, so signalling them never kills setsid itself); the rest of the environment is `env_line`,
+    written to the command's stdin.
     """
-    env = [f"{k}={MASK if masked and SECRET_NAME.search(k) else v}" for k, v in plan.env.items()]
+    env = [f"{k}={v}" for k, v in plan.env.items() if k in ARGV_ENV]
     argv = [_mask_override(a) for a in plan.argv] if masked else list(plan.argv)
+    python = f"{plan.node.venv.rstrip('/')}/bin/python"
     inner = f'echo "{PGID_MARKER} $$"; exec "$@"'
-    run = shlex.join(["exec", "setsid", "-w", "env", *env, "sh", "-c", inner, "ddp-launch", *argv])
+    agent = [python, "-m", "ddp_train.agent", *argv]
+    run = shlex.join(["exec", "setsid", "-w", "env", *env, "sh", "-c", inner, "ddp-launch", *agent])
     workdir = plan.node.workdir
     return f"cd -- {shlex.quote(workdir)} && {run}" if workdir else run
+
+
+def env_line(plan: NodePlan) -> bytes:
+    """The environment the node's agent reads from stdin: one JSON line (never on a command line)."""
+    env = {k: v for k, v in plan.env.items() if k not in ARGV_ENV}
+    return (json.dumps(env, ensure_ascii=True) + "\n").encode()
+
+
+def shown_env(plan: NodePlan) -> str:
+    """The stdin environment for display (--dry-run, logs): the JSON line with secret values masked."""
+    env = {k: MASK if SECRET_NAME.search(k) else v for k, v in plan.env.items() if k not in ARGV_ENV}
+    return json.dumps(env, ensure_ascii=True)
 
 
 def _mask_override(arg: str) -> str:

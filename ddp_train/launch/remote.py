@@ -47,6 +47,10 @@ class Stream:
         """(exit code, None) once the command ended, else (None, why): connection lost, or timed out."""
         raise NotImplementedError
 
+    def send(self, data: bytes) -> None:
+        """Write to the command's stdin (started with stdin=True); RemoteError if it cannot."""
+        raise NotImplementedError
+
     def close_stdin(self) -> None:
         """Send EOF to the command's stdin."""
 
@@ -86,6 +90,13 @@ class Session:
     def alive(self) -> bool:
         return True
 
+    def start_heartbeat(self, interval: float = 2.0) -> None:
+        """Ask the node for a reply every `interval` seconds (see silent_for); nothing to do locally."""
+
+    def silent_for(self) -> float:
+        """Seconds since the oldest heartbeat the node has not answered yet (0: all answered)."""
+        return 0.0
+
     def close(self) -> None:
         pass
 
@@ -108,9 +119,18 @@ class _LocalStream(Stream):
         except subprocess.TimeoutExpired:
             return None, "still running"
 
+    def send(self, data: bytes) -> None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(data)
+            self.proc.stdin.flush()
+        except OSError as e:
+            raise RemoteError(f"cannot write to the command's stdin: {e}") from None
+
     def close_stdin(self) -> None:
         if self.proc.stdin:
-            self.proc.stdin.close()
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
 
     def close(self) -> None:
         for f in (self.proc.stdin, self.proc.stdout):
@@ -182,6 +202,12 @@ class _SshStream(Stream):
             return None, "ended without an exit status (killed by a signal?)"
         return code, None
 
+    def send(self, data: bytes) -> None:
+        try:
+            self.channel.sendall(data)
+        except (OSError, EOFError) as e:
+            raise RemoteError(f"cannot write to the command's stdin: {e}") from None
+
     def close_stdin(self) -> None:
         with contextlib.suppress(OSError, EOFError):
             self.channel.shutdown_write()
@@ -198,6 +224,9 @@ class SshSession(Session):
         assert node.ssh is not None
         self.target = node.ssh
         self.connection = _connect(node.name, node.ssh, connect_timeout)
+        self._heartbeat: threading.Thread | None = None
+        self._unanswered_since: float | None = None
+        self._closed = False
 
     def start(self, command: str, stdin: bool = False) -> Stream:
         try:
@@ -231,7 +260,35 @@ class SshSession(Session):
         transport = self.connection.transport
         return transport is not None and transport.is_active()
 
+    def start_heartbeat(self, interval: float = 2.0) -> None:
+        """A thread sends an SSH global request that wants a reply (sshd answers every one, even unknown
+        kinds) and waits for it; silent_for() says how long the current one has gone unanswered.
+
+        paramiko's own keepalive wants no reply, so only TCP's retransmission timeout (20 s here) could
+        notice a silent partition; this notices it after one unanswered round trip.
+        """
+        if self._heartbeat is not None:
+            return
+        transport = self.connection.transport
+
+        def beat() -> None:
+            while not self._closed and transport.is_active():
+                self._unanswered_since = time.monotonic()
+                transport.global_request("keepalive@openssh.com", wait=True)  # returns once answered/dead
+                if not transport.is_active():
+                    return
+                self._unanswered_since = None
+                time.sleep(interval)
+
+        self._heartbeat = threading.Thread(target=beat, name=f"heartbeat-{self.node.name}", daemon=True)
+        self._heartbeat.start()
+
+    def silent_for(self) -> float:
+        since = self._unanswered_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
+
     def close(self) -> None:
+        self._closed = True
         self.connection.close()
 
 

@@ -95,5 +95,12 @@ def test_timeout_stops_the_job_with_exit_124(tmp_path: Path) -> None:
     proc = start(["--job-id", "le-timeout", "--timeout", "12", "--grace", "5", *slow], tmp_path)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 124, out
-    assert "--timeout 12s reached: stopping every node" in out
+    assert "--timeout 12s reached: every node finishes its step and saves (SIGTERM to torchrun)" in out
+    # every rank stopped after the same step, rank 0 saved it, every node exited 143
+    stops = re.findall(r"^ddp-launch: (local\d) r\d: exit 143: rank (\d) stopped after step (\d+)", out, re.M)
+    assert sorted(s[:2] for s in stops) == [("local0", "0"), ("local1", "1")], out
+    assert stops[0][2] == stops[1][2], out
+    step = int(stops[0][2])
+    assert (tmp_path / "runs" / "default" / "checkpoints" / f"step-{step:08d}.pt").is_file()
+    assert "Traceback" not in out and "sending KILL" not in out
     assert "no process of job le-timeout remains" in out and job_pids("le-timeout") == []

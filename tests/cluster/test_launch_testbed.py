@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.integration.trainrun import parse_finals, run_torchrun
 from tests.testbed import Host, Testbed
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
@@ -206,7 +207,7 @@ def test_three_hosts_run_to_the_end_with_identical_params(testbed: Testbed, tmp_
     assert seen == {f"node{i}": hostile for i in range(3)}
     assert not pwn.exists()
     # the secret is masked on the console and in every log file
-    assert secret not in out and "HF_TOKEN=***" in (logs / "launcher.log").read_text()
+    assert secret not in out and '"HF_TOKEN": "***"' in (logs / "launcher.log").read_text()  # env: stdin
     assert all(secret not in f.read_text() for f in logs.iterdir())
 
 
@@ -280,9 +281,53 @@ def test_sigint_to_the_launcher_stops_every_host(testbed: Testbed, tmp_path: Pat
     t0 = time.monotonic()
     code = run.wait(timeout=60)
     assert code == 130 and time.monotonic() - t0 < 30, (code, run.text)
-    assert "received SIGINT: stopping every node" in run.text
+    assert "received SIGINT: every node finishes its step and saves (SIGINT to torchrun)" in run.text
+    stops = re.findall(
+        r"^ddp-launch: (node\d) r\d: exit 130: rank \d stopped after step (\d+)", run.text, re.M
+    )
+    assert sorted(h for h, _ in stops) == ["node0", "node1", "node2"], run.text
+    assert len({step for _, step in stops}) == 1, run.text
+    assert "Traceback" not in run.text
     assert "no process of job lt-int remains" in run.text
     assert_nothing_left(tb, "lt-int")
+
+
+def test_after_ctrl_c_a_restart_with_another_rank_0_resumes_from_the_checkpoint_on_the_old_one(
+    testbed: Testbed, tmp_path: Path, started
+) -> None:
+    """Each node has its own checkpoint.dir (no shared disk). Rank 0 (node0) saves at Ctrl-C; the next
+    launch makes node1 rank 0, which has no checkpoint: the newest one is found on node0, broadcast,
+    and the run ends bit-identical to an uninterrupted one."""
+    tb = testbed
+    work = {h: tmp_path / f"work-{h}" for h in ("node0", "node1")}
+    for d in work.values():
+        d.mkdir()
+    inv = make_inventory(tb, tmp_path, host_vars={h: {"ddp_workdir": str(d)} for h, d in work.items()})
+    train = ["--set", "train.max_steps=30", "--set", "train.decay_steps=30",
+             "--set", "checkpoint.interval_steps=0", "--set", "log.interval_steps=1"]  # fmt: skip
+    base = ["--hosts", str(inv), "--limit", "node0,node1", *train]
+    run = Launcher([*base, "--job-id", "lt-mv1", "--set", "debug.step_delay_s=0.4"], tmp_path)
+    started.append(run)
+    run.wait_for(r"\[node0 r0\] .*INFO step 8/30 ", timeout=120)
+    run.proc.send_signal(signal.SIGINT)
+    assert run.wait(timeout=60) == 130, run.text
+    step = int(re.search(r"job lt-mv1 stopped \(received SIGINT\) after step (\d+)", run.text).group(1))
+    saved = work["node0"] / "runs" / "default" / "checkpoints" / f"step-{step:08d}.pt"
+    assert saved.is_file() and not (work["node1"] / "runs").exists(), run.text
+
+    code, out = launch([*base, "--job-id", "lt-mv2", "-e", "ddp_master=node1"], tmp_path)
+    assert code == 0, out
+    assert re.search(rf"^\[node1 r0\] .*INFO resumed from {re.escape(str(saved))} at step {step} "
+                     r"\(on node0, rank 1\)$", out, re.M), out  # fmt: skip
+    finals = [m.groups() for m in map(FINAL.match, out.splitlines()) if m]
+    assert sorted(f[:5] for f in finals) == [
+        ("node0", "1", "1", "2", "30"),
+        ("node1", "0", "0", "2", "30"),
+    ], out
+    straight = run_torchrun([*train, "--set", f"run.dir={tmp_path / 'straight'}"], cwd=tmp_path)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert {f[5] for f in finals} == {parse_finals(straight.stdout).sha}, "differs from a straight run"
+    assert_nothing_left(tb, "lt-mv2")
 
 
 def test_max_restarts_restarts_every_node_and_the_trainer_resumes(

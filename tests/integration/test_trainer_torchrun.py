@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -235,3 +236,29 @@ def test_max_restarts_resumes_automatically_after_a_killed_worker(work, straight
     assert proc.returncode == 0, f"{out}\n{err[-6000:]}"
     assert "resumed from" in err and "step-00000010.pt" in err
     assert parse_finals(out).sha == parse_finals(straight[0].stdout).sha
+
+
+def test_ctrl_c_in_a_terminal_stops_every_rank_once_after_saving(work):
+    """A terminal's Ctrl-C goes to the foreground process group. torchrun 2.13 starts each worker in a
+    session of its own (elastic/multiprocessing/subprocess_handler/subprocess_handler.py:
+    start_new_session=True), so only torchrun gets it and forwards it once: every rank saves, none dies
+    of a second copy (trainer.StopRequest: a second signal kills)."""
+    args = [*COMMON, *sets(run__dir="ctrl-c", debug__step_delay_s=0.25)]
+    proc = subprocess.Popen(
+        torchrun_cmd(args), cwd=work, env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        _wait_for_step(work / "ctrl-c" / "default" / "metrics.jsonl", 3, proc)
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: the whole foreground group
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    stopped = re.findall(r"^ddp-train: stopped rank=(\d) world=2 step=(\d+) signal=SIGINT$", out, re.M)
+    assert sorted(r for r, _ in stopped) == ["0", "1"], f"{out}\n{err[-4000:]}"
+    assert stopped[0][1] == stopped[1][1]
+    step = int(stopped[0][1])
+    assert (work / "ctrl-c" / "default" / "checkpoints" / f"step-{step:08d}.pt").is_file()
+    assert "exitcode  : -2" not in err  # no worker died by the forwarded SIGINT

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -131,3 +132,29 @@ def test_rank0_killed_while_saving_keeps_previous_checkpoint(
     assert parse_finals(resumed.stdout).sha == reference_sha
     assert not list(ckpts.glob("*.tmp"))
     assert [s for s, _ in checkpoint.list_checkpoints(ckpts)] == [10, 20, 30]
+
+
+def test_a_save_slower_than_the_collective_timeout_does_not_fail_the_other_ranks(
+    tmp_path: Path, reference_sha: str
+) -> None:
+    """Rank 1 waits for rank 0's save on the store (checkpoint.io_timeout_s), not in a collective.
+
+    The shim makes the step-10 save take ~8 s (16 chunks, 0.5 s apart, each fsynced); the process
+    group's collective timeout is 3 s. A barrier after the save would time out on rank 1.
+    """
+    report = tmp_path / "slow-save.report"
+    env = {"PYTHONPATH": str(SHIM), "RL_SLOW_SAVE_STEP": "10", "RL_SLOW_SAVE_REPORT": str(report),
+           "RL_SLOW_SAVE_CHUNKS": "16", "RL_SLOW_SAVE_PAUSE_S": "0.5"}  # fmt: skip
+    proc = start(tmp_path, sets(dist__collective_timeout_s=3), env)
+    try:
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, f"{out}\n{err[-4000:]}"
+    _, written, total, name = report.read_text().split()
+    assert written == total and name.endswith("step-00000010.pt.tmp")  # the slow save really ran
+    seconds = float(re.search(r"saved \S+step-00000010\.pt in (\d+\.\d+)s", err).group(1))
+    assert seconds > 3 * 2, err[-3000:]  # well past the collective timeout
+    assert parse_finals(out).sha == reference_sha

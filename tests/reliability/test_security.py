@@ -7,8 +7,8 @@
 - An unknown or changed SSH host key stops the job before anything starts, with a line naming the
   host and the fix; known_hosts is never written.
 - ddp_env values whose names contain TOKEN/KEY/SECRET/PASSWORD never appear in --dry-run output, on
-  the console, or in any log file, even when the trainer itself prints them. (They do still appear in
-  the command line of a process on each node: a strict xfail below pins that known leak.)
+  the console, or in any log file, even when the trainer itself prints them; and no ddp_env value is
+  in the command line of any process on a node (the environment reaches the node's agent on stdin).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import yaml
 from ddp_train.launch.cli import main as launch_main
 from ddp_train.launch.plan import PGID_MARKER
 from tests.cluster.test_launch_testbed import Launcher, assert_nothing_left, job_pids, launch
-from tests.reliability.support import finals, job_id, local_inventory, stop
+from tests.reliability.support import finals, job_id, local_inventory, proc_env, stop, worker_pid
 from tests.testbed import Testbed
 from tests.unit.test_launch_plan import fake_venv
 
@@ -115,8 +115,12 @@ def test_dry_run_commands_are_quoted_words_that_carry_hostile_values_verbatim(
     assert out.count(f"cd -- {shlex.quote(str(workdir))} && exec setsid -w env ") == 2, out
     blocks = out.split("\n# [")[1:]
     assert len(blocks) == 2, out
+    sent = {"HOSTILE": value, "ALSO": value, "EMPTY": "", **SECRETS}
     for rank, block in enumerate(blocks):
-        cmd = block.split("\n", 1)[1].rstrip("\n")
+        _, env_comment, cmd = block.split("\n", 2)
+        cmd = cmd.rstrip("\n")
+        shown = json.loads(env_comment.split("# environment, sent on stdin: ", 1)[1])
+        assert {k: shown[k] for k in sent} == {**sent, **dict.fromkeys(SECRETS, "***")}
         words = shlex.split(cmd)
         # shell operators only where the launcher put them: exactly one `&&`, nothing else unquoted
         lexer = shlex.shlex(cmd, posix=True, punctuation_chars=True)
@@ -124,15 +128,16 @@ def test_dry_run_commands_are_quoted_words_that_carry_hostile_values_verbatim(
         operators = [t for t in lexer if t and set(t) <= set("();<>|&")]
         assert operators == ["&&"], operators
         assert words[:8] == ["cd", "--", str(workdir), "&&", "exec", "setsid", "-w", "env"]
-        env = dict(w.split("=", 1) for w in words[8 : words.index("sh")])
-        assert env["HOSTILE"] == value and env["ALSO"] == value and env["EMPTY"] == ""
-        assert {k: env[k] for k in SECRETS} == dict.fromkeys(SECRETS, "***")
-        argv = words[words.index("ddp-launch") + 1 :]
+        assert words[8 : words.index("sh")] == ["DDP_JOB_ID=sec-dry"]  # no ddp_env value on the line
+        agent = words[words.index("ddp-launch") + 1 :]
+        assert agent[:3] == [f"{venv}/bin/python", "-m", "ddp_train.agent"]
+        argv = agent[3:]
         assert argv[0] == f"{venv}/bin/torchrun"
         assert argv[argv.index("--node-rank") + 1] == str(rank)
         assert argv[-(len(trainer_args) + 2) :] == ["--set", f"run.dir={run_dir}", *trainer_args]
         # and a real shell runs it as those words: the fake torchrun reports what it received
-        res = subprocess.run(["/bin/sh", "-c", cmd], capture_output=True, text=True, timeout=60)
+        line = json.dumps(sent) + "\n"  # what the launcher writes to the command's stdin
+        res = subprocess.run(["/bin/sh", "-c", cmd], input=line, capture_output=True, text=True, timeout=60)
         assert res.returncode == 0, res.stderr
         marker, payload = res.stdout.split("\n", 1)
         assert marker.startswith(PGID_MARKER + " ")
@@ -216,7 +221,7 @@ def test_hostile_values_reach_the_trainer_on_testbed_hosts_verbatim(testbed: Tes
     for name, secret in SECRETS.items():
         assert secret not in everything, name
         assert f"leak {name} ***" in out
-        assert f"{name}=***" in (logs / "launcher.log").read_text()
+        assert f'"{name}": "***"' in (logs / "launcher.log").read_text()  # the env shown: JSON, masked
     assert_nothing_left(tb, job)
 
 
@@ -284,13 +289,8 @@ def test_unknown_or_changed_host_key_is_refused_before_anything_starts(
     assert not (home / ".ssh").exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known leak: ddp_env values are passed as `setsid -w env K=V ...` arguments, and the waiting "
-    "setsid keeps them in its command line, readable by every user on the node (ps, /proc/PID/cmdline); "
-    "secrets should reach the node over stdin or a 0600 file instead",
-)
 def test_secret_values_are_in_no_command_line_on_the_node(tmp_path: Path) -> None:
+    """Formerly a strict xfail: `setsid -w env K=V ...` kept ddp_env values readable by every user."""
     secret = "hf_Zq81-visible-in-ps"
     inv = local_inventory(tmp_path, nodes=1, ddp_env={"HF_TOKEN": secret})
     job = job_id("sec-ps")
@@ -302,6 +302,8 @@ def test_secret_values_are_in_no_command_line_on_the_node(tmp_path: Path) -> Non
     try:
         run.wait_for(r"INFO step 2/", timeout=120)
         assert job_pids(job), "the job is not running"
+        # the workers did get it (in their environment, which only their owner can read)
+        assert proc_env(worker_pid(job, 0)).get("HF_TOKEN") == secret
         visible = []  # what `ps -eo args` shows any user
         for entry in Path("/proc").iterdir():
             if entry.name.isdigit():

@@ -73,14 +73,16 @@ def test_dry_run_prints_every_node_command_with_secrets_masked(tmp_path: Path, c
     )  # fmt: skip
     assert code == 0
     commands = [ln for ln in out.splitlines() if not ln.startswith("#")]
-    assert len(commands) == 2 and "hf_secret_value" not in out and "HF_TOKEN=***" in out
+    envs = [json.loads(ln.split(": ", 1)[1]) for ln in out.splitlines() if ln.startswith("# environment")]
+    assert len(commands) == 2 and "hf_secret_value" not in out and len(envs) == 2
+    assert all(e["HF_TOKEN"] == "***" and e["A"] == "b c" for e in envs)
     for rank, cmd in enumerate(commands):
         words = shlex.split(cmd)
         i = words.index("--node-rank")
         assert words[i + 1] == str(rank)
         assert words[words.index("--master-addr") + 1] == "127.0.0.1"
         assert words[words.index("--master-port") + 1] == "29999"
-        assert "DDP_JOB_ID=dry1" in words and "A=b c" in words
+        assert "DDP_JOB_ID=dry1" in words and "A=b c" not in words  # the rest of the env: stdin
         assert words[: words.index("setsid")] == ["cd", "--", str(tmp_path), "&&", "exec"]
         assert words[-3:] == ["--set", "train.max_steps=3", "--trainer-flag"]
     assert not (tmp_path / "logs").exists()

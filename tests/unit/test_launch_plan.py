@@ -16,7 +16,15 @@ from hypothesis import strategies as st
 
 from ddp_train.launch.errors import LaunchError
 from ddp_train.launch.inventory import Node, SshTarget
-from ddp_train.launch.plan import PGID_MARKER, Options, build_plan, command, mask_text
+from ddp_train.launch.plan import (
+    PGID_MARKER,
+    Options,
+    build_plan,
+    command,
+    env_line,
+    mask_text,
+    shown_env,
+)
 
 HOSTILE = "$(touch {pwn}) `touch {pwn}`; touch {pwn} && echo 'single' \"double\" \\ back\nnew line $HOME *"
 
@@ -105,9 +113,16 @@ def test_job_level_variables_must_agree() -> None:
 
 
 def fake_venv(tmp_path: Path) -> Path:
-    """A venv whose torchrun reports its argv, env, cwd and process group as JSON."""
+    """A venv whose torchrun reports its argv, env, cwd and process group as JSON.
+
+    Its python is this one (so the real ddp_train.agent reads the environment from stdin and runs the
+    fake torchrun, in its own process, as it runs the real one).
+    """
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    python.chmod(0o755)
     torchrun = venv / "bin" / "torchrun"
     torchrun.write_text(
         f"#!{sys.executable}\nimport json, os, sys\n"
@@ -119,7 +134,10 @@ def fake_venv(tmp_path: Path) -> Path:
 
 
 def run_command(plan_node) -> tuple[int, dict]:
-    out = subprocess.run(["/bin/sh", "-c", command(plan_node)], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        ["/bin/sh", "-c", command(plan_node)], input=env_line(plan_node).decode(), capture_output=True,
+        text=True, timeout=30,
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr
     marker, payload = out.stdout.split("\n", 1)
     assert marker.startswith(PGID_MARKER + " ")
@@ -140,26 +158,38 @@ def test_hostile_values_reach_the_program_verbatim_through_a_real_shell(tmp_path
     assert seen["argv"][-5:] == ["--set", f"run.name={value}", value, "--", "'"]
     assert seen["cwd"] == str(workdir)
     assert not pwn.exists() and not (workdir / "x").exists()
-    # torchrun runs in its own process group, and the printed PGID is that group (and its pid: exec)
+    # torchrun runs in its own process group, and the printed PGID is that group (and its pid: exec,
+    # then the agent runs torchrun in its own process)
     assert seen["pgid"] == pgid == seen["pid"] and pgid != os.getpgid(0)
+    # the environment came over stdin: the command line holds none of it
+    words = shlex.split(command(build_plan([n], opts).nodes[0]))
+    assert not any(w.startswith(("HOSTILE=", "EMPTY=")) for w in words)
 
 
 @settings(max_examples=200, deadline=None)
 @given(value=st.text(st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",))))
 def test_any_env_value_survives_quoting(value: str) -> None:
     n = node("n0", "10.0.0.1", env={"V": value})
-    words = shlex.split(command(build_plan([n], Options(job_id="j", trainer_args=(value,))).nodes[0]))
-    assert f"V={value}" in words and words[-1] == value
+    plan = build_plan([n], Options(job_id="j", trainer_args=(value,))).nodes[0]
+    words = shlex.split(command(plan))
+    assert words[-1] == value and not any(w.startswith("V=") for w in words)
+    line = env_line(plan)
+    assert line.count(b"\n") == 1 and line.endswith(b"\n")  # one line whatever the value holds
+    assert json.loads(line)["V"] == value
 
 
 def test_secrets_are_masked_in_the_displayed_command() -> None:
     n = node("n0", "10.0.0.1", env={"HF_TOKEN": "hf_abc123", "DB_PASSWORD": "pw-9", "PLAIN": "visible"})
     plan = build_plan([n], Options(job_id="j", overrides=("wandb.api_key=k-77", "train.lr=0.1")))
     shown = command(plan.nodes[0], masked=True)
+    env_shown = shown_env(plan.nodes[0])
     for secret in ("hf_abc123", "pw-9", "k-77"):
-        assert secret not in shown
-        assert secret in command(plan.nodes[0])
-    assert "HF_TOKEN=***" in shown and "wandb.api_key=***" in shown and "PLAIN=visible" in shown
+        assert secret not in shown and secret not in env_shown
+    assert "k-77" in command(plan.nodes[0])  # a --set value is an argument (mask only what is shown)
+    for secret in ("hf_abc123", "pw-9"):  # env values are never in the command, only on its stdin
+        assert secret not in command(plan.nodes[0]) and secret in env_line(plan.nodes[0]).decode()
+    assert "wandb.api_key=***" in shown
+    assert json.loads(env_shown)["HF_TOKEN"] == "***" and json.loads(env_shown)["PLAIN"] == "visible"
     assert set(plan.secrets()) == {"hf_abc123", "pw-9", "k-77"}
     assert mask_text("token hf_abc123 and pw-9", plan.secrets()) == "token *** and ***"
 
