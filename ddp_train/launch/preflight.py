@@ -174,7 +174,10 @@ import sys
 cwd, sync_dir, required = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 r = {"files": {}}
 if sync_dir:  # before the chdir: both paths are relative to the login dir
-    r["sync"] = tree(walk(sync_dir))[1] if os.path.isdir(sync_dir) else None
+    try:
+        r["sync"] = shipped(sync_dir)
+    except (OSError, ValueError) as e:
+        r["sync"] = "missing" if not os.path.isdir(sync_dir) else "incomplete (%s)" % (e.strerror or e)
 try:
     os.chdir(cwd or ".")
 except OSError as e:
@@ -389,11 +392,9 @@ def _check_files(plan: JobPlan, checks: list[NodeCheck]) -> None:
             return
         found[c.name] = json.loads(lines[-1][len("DDP-FILES ") :])
         if verify and found[c.name].get("sync") != plan.sync.digest:  # type: ignore[union-attr]
-            got = found[c.name].get("sync")
-            c.fail(
-                f"synced copy {verify} is missing" if got is None else
-                f"synced copy {verify} has content {got[:20]}, not {plan.sync.name} (changed on the node?)"  # type: ignore[union-attr]
-            )  # fmt: skip
+            got = str(found[c.name].get("sync"))
+            what = got if " " in got or got == "missing" else f"has content {got[:20]}, not {plan.sync.name}"
+            c.fail(f"synced copy {verify} {what} (changed on the node? the next launch sends it again)")
 
     parallel(look, [c for c in checks if c.facts and c.session is not None])
     master = found.get(plan.master_name, {}).get("files", {})

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 SYNC_DIR = ".ddp-launch/sync"  # under the node's ddp_workdir
 DEFAULT_MAX_BYTES = 1 << 30
-ALWAYS_EXCLUDED = (".git/", "__pycache__/", "*.pyc", "/.ddp-launch/")
+ALWAYS_EXCLUDED = (".git/", "__pycache__/", "*.pyc", "/.ddp-launch/", "/.ddp-sync.json")
 IGNORE_FILE, ROOT_IGNORE_FILE = ".gitignore", ".ddpignore"
 VIA = ("auto", "rsync", "archive")
 SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?$", re.IGNORECASE)
@@ -42,6 +42,7 @@ SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?$", re.IGNORECASE)
 # two sides can never disagree on what the digest covers: path, kind, user-exec bit, size and content.
 TREE_SRC = r"""
 import hashlib, json, os, stat
+MANIFEST = ".ddp-sync.json"
 
 def walk(root, skip=None):
     out = []
@@ -77,6 +78,19 @@ def content_digest(full, kind):
             h.update(block)
     return h.hexdigest()
 
+def shipped(root):
+    # the digest of the files the sync put in `root`; what a run wrote next to them does not count
+    with open(os.path.join(root, MANIFEST)) as f:
+        paths = sorted(json.load(f))
+    items = []
+    for rel in paths:
+        full = os.path.join(root, rel)
+        st = os.lstat(full)
+        kind = "l" if stat.S_ISLNK(st.st_mode) else "f"
+        regular = kind == "f"
+        items.append((rel, full, kind, regular and bool(st.st_mode & 0o100), st.st_size if regular else 0))
+    return tree(items)[1]
+
 def tree(items):
     # -> ({path: [kind, exec, size, sha256]}, digest of the whole tree)
     entries, h = {}, hashlib.sha256()
@@ -86,17 +100,28 @@ def tree(items):
     return entries, h.hexdigest()
 """
 
-# On a node: is the copy there already? If not, the newest earlier copy (to send only differences).
+# On a node: is the copy there already, intact? If not, the newest earlier copy (to send only the
+# differences). A copy whose files were changed on the node is moved aside and sent again.
 INSPECT_SRC = r"""
 import glob, shutil, sys
-base, name = sys.argv[1], sys.argv[2]
+base, name, want = sys.argv[1], sys.argv[2], sys.argv[3]
 os.makedirs(base, exist_ok=True)
-r = {"present": os.path.isdir(os.path.join(base, name)), "rsync": bool(shutil.which("rsync"))}
+final = os.path.join(base, name)
+r = {"present": False, "rsync": bool(shutil.which("rsync"))}
+if os.path.isdir(final):
+    try:
+        r["present"] = shipped(final) == want
+    except (OSError, ValueError):
+        pass
+    if not r["present"]:
+        aside = "%s.tmp-bad-%d" % (final, os.getpid())
+        os.rename(final, aside)
+        shutil.rmtree(aside, ignore_errors=True)
 if not r["present"]:
-    olds = [m for m in glob.glob(os.path.join(glob.escape(base), "*.json")) if os.path.isdir(m[:-5])]
+    olds = [m for m in glob.glob(os.path.join(glob.escape(base), "*", MANIFEST)) if ".tmp-" not in m]
     if olds:
         newest = max(olds, key=os.path.getmtime)
-        r["prev"] = os.path.basename(newest[:-5])
+        r["prev"] = os.path.basename(os.path.dirname(newest))
         try:
             with open(newest) as f:
                 r["prev_entries"] = json.load(f)
@@ -130,8 +155,9 @@ if archive:
     os.unlink(archive)
 """
 
-# On a node: check the new copy against the digest and rename it into place (someone else sharing the
-# workdir may have done so first: then keep theirs). Writes the manifest the next sync starts from.
+# On a node: check the new copy against the digest, add its manifest (what the next sync starts from
+# and what preflight verifies) and rename it into place in one step; someone sharing the workdir may
+# have done so first: then keep theirs.
 FINISH_SRC = r"""
 import shutil, sys
 base, name, tmp, want = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
@@ -139,16 +165,15 @@ entries, got = tree(walk(tmp))
 if got != want:
     shutil.rmtree(tmp, ignore_errors=True)
     raise SystemExit("content digest %s after the copy, expected %s" % (got[:16], want[:16]))
+with open(os.path.join(tmp, MANIFEST), "w") as f:
+    json.dump(entries, f)
 final = os.path.join(base, name)
 try:
     os.rename(tmp, final)
 except OSError:
-    if not os.path.isdir(final):
+    if not os.path.isfile(os.path.join(final, MANIFEST)):
         raise
     shutil.rmtree(tmp, ignore_errors=True)
-with open(final + ".json.tmp-" + str(os.getpid()), "w") as f:
-    json.dump(entries, f)
-os.replace(f.name, final + ".json")
 print("DDP-SYNC-DONE", flush=True)
 """
 
@@ -375,7 +400,9 @@ def sync_node(
     where = remote_dir(node, manifest)
     base = where.rsplit("/", 1)[0]
     try:
-        state = _json_line(session, _py(plan, TREE_SRC + INSPECT_SRC, base, manifest.name), "DDP-SYNC ")
+        state = _json_line(
+            session, _py(plan, TREE_SRC + INSPECT_SRC, base, manifest.name, manifest.digest), "DDP-SYNC "
+        )
         if state["present"]:
             return SyncResult(node.name, "up-to-date", 0, 0)
         tmp = f"{manifest.name}.tmp-{os.getpid()}-{os.urandom(3).hex()}"
