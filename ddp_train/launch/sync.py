@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 
 SYNC_DIR = ".ddp-launch/sync"  # under the node's ddp_workdir
 DEFAULT_MAX_BYTES = 1 << 30
-ALWAYS_EXCLUDED = (".git/", "__pycache__/", "*.pyc", "/.ddp-launch/", "/.ddp-sync.json")
+MANIFEST_NAME = ".ddp-sync.json"  # in each copy: its files, for the next sync and for preflight
+ALWAYS_EXCLUDED = (".git/", "__pycache__/", "*.pyc", "/.ddp-launch/", f"/{MANIFEST_NAME}")
 IGNORE_FILE, ROOT_IGNORE_FILE = ".gitignore", ".ddpignore"
 VIA = ("auto", "rsync", "archive")
 SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?$", re.IGNORECASE)
@@ -42,7 +43,7 @@ SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?$", re.IGNORECASE)
 # two sides can never disagree on what the digest covers: path, kind, user-exec bit, size and content.
 TREE_SRC = r"""
 import hashlib, json, os, stat
-MANIFEST = ".ddp-sync.json"
+MANIFEST = @MANIFEST@
 
 def walk(root, skip=None):
     out = []
@@ -78,8 +79,8 @@ def content_digest(full, kind):
             h.update(block)
     return h.hexdigest()
 
-def shipped(root):
-    # the digest of the files the sync put in `root`; what a run wrote next to them does not count
+def listed(root):
+    # the files the sync put in `root` (its manifest names them); what a run wrote there does not count
     with open(os.path.join(root, MANIFEST)) as f:
         paths = sorted(json.load(f))
     items = []
@@ -89,7 +90,10 @@ def shipped(root):
         kind = "l" if stat.S_ISLNK(st.st_mode) else "f"
         regular = kind == "f"
         items.append((rel, full, kind, regular and bool(st.st_mode & 0o100), st.st_size if regular else 0))
-    return tree(items)[1]
+    return items
+
+def shipped(root):
+    return tree(listed(root))[1]
 
 def tree(items):
     # -> ({path: [kind, exec, size, sha256]}, digest of the whole tree)
@@ -98,7 +102,7 @@ def tree(items):
         entries[rel] = [kind, x, size, content_digest(full, kind)]
         h.update((json.dumps([rel] + entries[rel]) + "\n").encode("utf-8", "surrogateescape"))
     return entries, h.hexdigest()
-"""
+""".replace("@MANIFEST@", repr(MANIFEST_NAME))
 
 # On a node: is the copy there already, intact? If not, the newest earlier copy (to send only the
 # differences). A copy whose files were changed on the node is moved aside and sent again.
@@ -122,9 +126,8 @@ if not r["present"]:
     if olds:
         newest = max(olds, key=os.path.getmtime)
         r["prev"] = os.path.basename(os.path.dirname(newest))
-        try:
-            with open(newest) as f:
-                r["prev_entries"] = json.load(f)
+        try:  # hashed, not read from the manifest: files are hard-linked between copies
+            r["prev_entries"] = tree(listed(os.path.dirname(newest)))[0]
         except (OSError, ValueError):
             r["prev_entries"] = {}
 print("DDP-SYNC " + json.dumps(r), flush=True)
