@@ -132,8 +132,11 @@ def test_rsync_is_refused_with_a_password_and_ssh_keeps_host_key_checking(tmp_pa
     node = fake_remote(tmp_path, tmp_path / "w", password="pw", known_hosts_files=("/k/one", "/k two"))
     m = scan(str(src))
     p = NodePlan(node=node, rank=1, env={}, argv=(), config_path=None, sync_dir=remote_dir(node, m))
-    with pytest.raises(SyncError, match="n1: --sync-via rsync: "):
+    with pytest.raises(SyncError, match="n1: --sync-via rsync: password authentication"):
         sync_node(LocalSession(node), p, m, via="rsync")
+    res = sync_node(LocalSession(node), p, m, via="auto")  # falls back to the archive, and says why
+    assert (res.via, res.files) == ("archive", 1) and res.note.startswith("rsync: password authentication")
+    assert "(rsync: password authentication" in res.line("D")
     argv = ssh_command(node.ssh, 10)
     assert "StrictHostKeyChecking=yes" in argv and "BatchMode=yes" in argv
     assert f'UserKnownHostsFile={os.path.expanduser("~/.ssh/known_hosts")} /k/one "/k two"' in argv

@@ -20,48 +20,9 @@ from tests.testbed import Testbed
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 
-# The seed's script: the lines a user of torch.distributed already has, nothing ddp-launch specific.
-SEED_SCRIPT = """\
-import argparse, hashlib, os
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
-
-from mymodel import make_dataset, make_model
-
-
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=0.1)
-    args = parser.parse_args()
-    dist.init_process_group("gloo")  # torchrun's env: MASTER_ADDR, RANK, WORLD_SIZE...
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = DDP(make_model())
-    data = make_dataset()
-    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True)
-    loader = DataLoader(data, batch_size=16, sampler=sampler)
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
-    for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
-        for x, y in loader:
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-        print(f"rank {rank} epoch {epoch} loss {loss.item():.4f}", flush=True)
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().numpy().tobytes())
-    print(f"seed-script: rank={rank} world={world} params_sha256={h.hexdigest()}", flush=True)
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
-"""
+# The seed's script, as the README shows it: the lines a user of torch.distributed already has.
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+SEED_SCRIPT = README.split("## Bring your own script", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
 
 HELPER = '''\
 import torch
