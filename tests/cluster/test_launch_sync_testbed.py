@@ -78,6 +78,7 @@ def project(testbed: Testbed, tmp_path_factory: pytest.TempPathFactory) -> tuple
     proj.mkdir()
     (proj / "train.py").write_text(SEED_SCRIPT)
     (proj / "mymodel.py").write_text(HELPER)
+    (proj / "notes 'v1' $HOME;ü.txt").write_text("odd characters reach every node as they are\n")
     (proj / ".gitignore").write_text("outputs/\n*.ckpt\n")
     (proj / "outputs").mkdir()
     (proj / "outputs" / "big.bin").write_bytes(b"\0" * 4096)  # excluded: must never reach a node
@@ -106,15 +107,17 @@ def test_seed_script_runs_synced_on_three_hosts_and_a_second_launch_sends_nothin
     assert len({sha for *_, sha in finals}) == 1, "ranks ended with different parameters"
     first = sync_record(root, "sy-1")
     for i in range(3):
-        assert first[f"node{i}"]["via"] == "rsync" and first[f"node{i}"]["files"] == 3, first
+        assert first[f"node{i}"]["via"] == "rsync" and first[f"node{i}"]["files"] == 4, first
         copy = Path(first[f"node{i}"]["dir"])
+        assert (copy / "notes 'v1' $HOME;ü.txt").read_text().startswith("odd characters")
         assert copy.parent.parent.parent == root / f"work {i}"
         assert sorted(p.name for p in copy.iterdir() if p.name not in ("__pycache__",)) == [
             ".ddp-sync.json",
             ".gitignore",
             "mymodel.py",
+            "notes 'v1' $HOME;ü.txt",
             "train.py",
-        ]  # fmt: skip  (outputs/ and *.ckpt are excluded by .gitignore)
+        ]  # outputs/ and *.ckpt are left out by .gitignore
     assert_nothing_left(testbed, "sy-1")
 
     code, out = launch([*args[:-3], "--job-id", "sy-2", *args[-3:]], root)

@@ -211,7 +211,10 @@ def test_script_and_module_have_torchruns_meaning(tmp_path: Path, capsys) -> Non
             "--sync proj: 18 B is over the 12 B limit",
         ),
         (["--sync", "proj", "--sync-max-size", "lots"], "--sync-max-size 'lots': expected a size"),
-        (["-e", "{\"ddp_sync_exclude\": [1]}", "--sync", "proj"], "ddp_sync_exclude: expected a list of patterns"),
+        (
+            ["-e", '{"ddp_sync_exclude": [1]}', "--sync", "proj"],
+            "ddp_sync_exclude: expected a list of patterns",
+        ),
     ],
 )
 def test_bad_script_or_sync_input_is_one_line_and_exit_2(argv, message, tmp_path: Path, capsys) -> None:
