@@ -56,6 +56,7 @@ def build(hidden=16):
 
 # Fails on rank 1 once every rank has joined; the others wait in a collective until torn down.
 CRASH_SCRIPT = """\
+import sys
 import time
 import torch
 import torch.distributed as dist
@@ -63,7 +64,7 @@ import torch.distributed as dist
 dist.init_process_group("gloo")
 dist.barrier()
 if dist.get_rank() == 1:
-    raise SystemExit("crash.py: rank 1 gives up")
+    raise SystemExit(f"crash.py: rank 1 gives up (module {__spec__ and __spec__.name}, {sys.argv[1:]})")
 time.sleep(600)
 """
 
@@ -118,6 +119,7 @@ def test_seed_script_runs_synced_on_three_hosts_and_a_second_launch_sends_nothin
             "notes 'v1' $HOME;ü.txt",
             "train.py",
         ]  # outputs/ and *.ckpt are left out by .gitignore
+    assert "seed-script: rank=1 world=3" in (root / "logs" / "sy-1" / "node1.log").read_text()
     assert_nothing_left(testbed, "sy-1")
 
     code, out = launch([*args[:-3], "--job-id", "sy-2", *args[-3:]], root)
@@ -132,17 +134,26 @@ def test_seed_script_runs_synced_on_three_hosts_and_a_second_launch_sends_nothin
     assert len({sha for *_, sha in SEED_FINAL.findall(out)}) == 1 and len(SEED_FINAL.findall(out)) == 3
 
 
-def test_archive_sends_only_what_changed_and_a_failing_script_stops_every_host(
+def test_rsync_and_archive_send_only_what_changed_and_a_failing_module_stops_every_host(
     testbed: Testbed, project: tuple[Path, Path]
 ) -> None:
     root, inv = project
-    base = ["--hosts", str(inv), "--sync", "my project", "--sync-via", "archive"]
-    # bring the project as it is to every node (a no-op if the first test ran); nothing starts
-    code, out = launch([*base, "--require", "no-such-file", "my project/train.py"], root)
+    base = ["--hosts", str(inv), "--sync", "my project"]
+    stop = ["--require", "no-such-file", "my project/train.py"]  # preflight fails: nothing starts
+    code, out = launch([*base, *stop], root)  # the project as it is, on every node (if not there yet)
     assert code == 3 and "no-such-file missing" in out, out
+    helper = root / "my project" / "mymodel.py"
+    helper.write_text(helper.read_text() + "# edited\n")
+    code, out = launch([*base, "--job-id", "sy-edit", *stop], root)
+    assert code == 3, out
+    sent = sync_record(root, "sy-edit")
+    assert {n: (r["via"], r["files"]) for n, r in sent.items()} == {
+        f"node{i}": ("rsync", 1) for i in range(3)
+    }
+    base += ["--sync-via", "archive"]
     (root / "my project" / "crash.py").write_text(CRASH_SCRIPT)
     try:
-        code, out = launch([*base, "--job-id", "sy-crash", "--grace", "5", "my project/crash.py"], root)
+        code, out = launch([*base, "--job-id", "sy-crash", "--grace", "5", "-m", "crash", "--flag"], root)
     finally:
         (root / "my project" / "crash.py").unlink()
     assert code == 1, out
@@ -152,7 +163,7 @@ def test_archive_sends_only_what_changed_and_a_failing_script_stops_every_host(
     }
     assert all(0 < r["bytes"] < 2000 for r in sent.values()), sent  # crash.py alone, not the project
     assert re.search(r"FAILED \(first failure: node1 \(rank 1\)", out), out
-    assert "crash.py: rank 1 gives up" in out
+    assert "crash.py: rank 1 gives up (module crash, ['--flag'])" in out
     assert_nothing_left(testbed, "sy-crash")
 
 
