@@ -443,7 +443,7 @@ def _sync(plan: JobPlan, opts: argparse.Namespace, log: JobLog, sessions: dict) 
             return None, None
         try:
             s = sessions[p.node.name] = open_session(p.node, opts.connect_timeout)
-            return sync_node(s, p, plan.sync, opts.sync_via, opts.connect_timeout), None
+            return sync_node(s, p.node, plan.sync, opts.sync_via, opts.connect_timeout), None
         except (RemoteError, SyncError) as e:
             return None, str(e)
 

@@ -23,7 +23,7 @@ from ddp_train.launch.errors import LaunchError, one_line
 from ddp_train.launch.logs import table
 from ddp_train.launch.plan import JobPlan, NodePlan, resolve
 from ddp_train.launch.remote import RemoteError, Session, Stream, open_session
-from ddp_train.launch.sync import TREE_SRC
+from ddp_train.launch.sync import TREE_SRC, node_python
 
 PROBE_MARK = "DDP-PROBE "
 FINGERPRINT = "ddp-train-fingerprint.json"
@@ -380,7 +380,7 @@ def _check_files(plan: JobPlan, checks: list[NodeCheck]) -> None:
 
     def look(c: NodeCheck) -> None:
         verify = c.plan.sync_dir if plan.sync and not c.plan.node.local else ""
-        cmd = python_command(c.plan, FILES, c.plan.cwd or "", verify or "", json.dumps(list(plan.required)))
+        cmd = node_python(c.plan.node, FILES, c.plan.cwd or "", verify or "", json.dumps(list(plan.required)))
         try:
             code, out = c.session.exec(cmd, timeout=300)  # type: ignore[union-attr]
         except RemoteError as e:

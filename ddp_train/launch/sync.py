@@ -28,7 +28,6 @@ from ddp_train.launch.errors import LaunchError, one_line
 from ddp_train.launch.inventory import Node, SshTarget
 
 if TYPE_CHECKING:
-    from ddp_train.launch.plan import NodePlan
     from ddp_train.launch.remote import Session
 
 SYNC_DIR = ".ddp-launch/sync"  # under the node's ddp_workdir
@@ -394,17 +393,18 @@ def ssh_command(target: SshTarget, connect_timeout: float) -> list[str]:
 
 
 def sync_node(
-    session: Session, plan: NodePlan, manifest: Manifest, via: str = "auto", connect_timeout: float = 10
+    session: Session, node: Node, manifest: Manifest, via: str = "auto", connect_timeout: float = 10
 ) -> SyncResult:
     """Bring `manifest` to one remote node; SyncError with one line if it cannot."""
     from ddp_train.launch.remote import RemoteError
 
-    node = plan.node
     where = remote_dir(node, manifest)
     base = where.rsplit("/", 1)[0]
     try:
         state = _json_line(
-            session, _py(plan, TREE_SRC + INSPECT_SRC, base, manifest.name, manifest.digest), "DDP-SYNC "
+            session,
+            node_python(node, TREE_SRC + INSPECT_SRC, base, manifest.name, manifest.digest),
+            "DDP-SYNC ",
         )
         if state["present"]:
             return SyncResult(node.name, "up-to-date", 0, 0)
@@ -417,7 +417,7 @@ def sync_node(
             if not why:
                 try:
                     files, sent = _rsync(node, manifest, base, tmp, state.get("prev"), connect_timeout)
-                    _finish(session, plan, manifest, base, tmp)
+                    _finish(session, node, manifest, base, tmp)
                     return SyncResult(node.name, "rsync", files, sent)
                 except SyncError as e:
                     if via == "rsync":
@@ -425,16 +425,16 @@ def sync_node(
                     session.exec(shlex.join(["rm", "-rf", "--", f"{base}/{tmp}"]))
                     why = str(e).split(": ", 1)[-1]
             note = f"rsync: {why}" if via == "auto" else ""
-        files, sent = _archive(session, plan, manifest, base, tmp, state)
+        files, sent = _archive(session, node, manifest, base, tmp, state)
         return SyncResult(node.name, "archive", files, sent, note)
     except RemoteError as e:
         raise SyncError(str(e)) from None
 
 
-def _py(plan: NodePlan, source: str, *args: str) -> str:
-    from ddp_train.launch.preflight import python_command  # the node's venv python, shlex-quoted
-
-    return python_command(plan, source, *args)
+def node_python(node: Node, source: str, *args: str) -> str:
+    """A shell command running `source` with the node's venv python, shlex-quoted, without the job's
+    env: these file operations need none of it, and ddp_env values must not show up in ps."""
+    return shlex.join([f"{node.venv.rstrip('/')}/bin/python", "-c", source, *args])
 
 
 def _json_line(session: Session, command: str, mark: str) -> dict:
@@ -486,10 +486,9 @@ def _stat(stats: str, label: str) -> int:
 
 
 def _archive(
-    session: Session, plan: NodePlan, manifest: Manifest, base: str, tmp: str, state: dict
+    session: Session, node: Node, manifest: Manifest, base: str, tmp: str, state: dict
 ) -> tuple[int, int]:
     """tar the files that differ from the node's earlier copy, send it over the session, unpack there."""
-    node = plan.node
     prev, old = state.get("prev") or "", state.get("prev_entries") or {}
     keep = [rel for rel, e in manifest.entries.items() if prev and old.get(rel) == e]
     changed = [rel for rel in manifest.entries if rel not in set(keep)]
@@ -503,21 +502,21 @@ def _archive(
             sent = os.path.getsize(local_tar)
             remote_tar = f"{base}/{tmp}.tar.gz"
             session.put(local_tar, remote_tar)
-    cmd = _py(plan, TREE_SRC + UNPACK_SRC, base, manifest.name, f"{base}/{tmp}", manifest.digest,
+    cmd = node_python(node, TREE_SRC + UNPACK_SRC, base, manifest.name, f"{base}/{tmp}", manifest.digest,
                  remote_tar, prev, json.dumps(keep))  # fmt: skip
     code, out = session.exec(cmd, timeout=600)
     if code != 0:
         session.exec(shlex.join(["rm", "-rf", "--", f"{base}/{tmp}", *([remote_tar] if remote_tar else [])]))
         last = out.strip().splitlines()[-1] if out.strip() else f"exit {code}"
         raise SyncError(f"{node.name}: unpacking failed: {one_line(last)}")
-    _finish(session, plan, manifest, base, tmp)
+    _finish(session, node, manifest, base, tmp)
     return len(changed), sent
 
 
-def _finish(session: Session, plan: NodePlan, manifest: Manifest, base: str, tmp: str) -> None:
-    node = plan.node
+def _finish(session: Session, node: Node, manifest: Manifest, base: str, tmp: str) -> None:
     code, out = session.exec(
-        _py(plan, TREE_SRC + FINISH_SRC, base, manifest.name, f"{base}/{tmp}", manifest.digest), timeout=600
+        node_python(node, TREE_SRC + FINISH_SRC, base, manifest.name, f"{base}/{tmp}", manifest.digest),
+        timeout=600,
     )
     if code != 0 or "DDP-SYNC-DONE" not in out:
         last = out.strip().splitlines()[-1] if out.strip() else f"exit {code}"

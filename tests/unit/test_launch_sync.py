@@ -15,9 +15,17 @@ from ddp_train.launch.cli import main
 from ddp_train.launch.errors import LaunchError
 from ddp_train.launch.inventory import Node, SshTarget
 from ddp_train.launch.plan import NodePlan, Options, build_plan
-from ddp_train.launch.preflight import FILES, python_command
+from ddp_train.launch.preflight import FILES
 from ddp_train.launch.remote import LocalSession
-from ddp_train.launch.sync import MANIFEST_NAME, SyncError, remote_dir, scan, ssh_command, sync_node
+from ddp_train.launch.sync import (
+    MANIFEST_NAME,
+    SyncError,
+    node_python,
+    remote_dir,
+    scan,
+    ssh_command,
+    sync_node,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_INV = str(REPO / "inventory" / "local")
@@ -81,7 +89,7 @@ def fake_remote(tmp_path: Path, workdir: Path, **ssh) -> Node:
 
 def verify(p: NodePlan, manifest) -> str:
     """What preflight's file check reports for the node's copy."""
-    code, out = LocalSession(p.node).exec(python_command(p, FILES, "", p.sync_dir or "", "[]"))
+    code, out = LocalSession(p.node).exec(node_python(p.node, FILES, "", p.sync_dir or "", "[]"))
     assert code == 0, out
     return json.loads(out.split("DDP-FILES ", 1)[1])["sync"]
 
@@ -95,7 +103,7 @@ def test_archive_sends_everything_then_nothing_then_only_the_changed_file(tmp_pa
     def sync() -> tuple:
         m = scan(str(src))
         p = NodePlan(node=node, rank=1, env={}, argv=(), config_path=None, sync_dir=remote_dir(node, m))
-        return sync_node(LocalSession(node), p, m, via="archive"), p, m
+        return sync_node(LocalSession(node), node, m, via="archive"), p, m
 
     res, p, m = sync()
     assert (res.via, res.files) == ("archive", 3) and res.bytes > 0
@@ -131,10 +139,9 @@ def test_rsync_is_refused_with_a_password_and_ssh_keeps_host_key_checking(tmp_pa
     (tmp_path / "w").mkdir()
     node = fake_remote(tmp_path, tmp_path / "w", password="pw", known_hosts_files=("/k/one", "/k two"))
     m = scan(str(src))
-    p = NodePlan(node=node, rank=1, env={}, argv=(), config_path=None, sync_dir=remote_dir(node, m))
     with pytest.raises(SyncError, match="n1: --sync-via rsync: password authentication"):
-        sync_node(LocalSession(node), p, m, via="rsync")
-    res = sync_node(LocalSession(node), p, m, via="auto")  # falls back to the archive, and says why
+        sync_node(LocalSession(node), node, m, via="rsync")
+    res = sync_node(LocalSession(node), node, m, via="auto")  # falls back to the archive, and says why
     assert (res.via, res.files) == ("archive", 1) and res.note.startswith("rsync: password authentication")
     assert "(rsync: password authentication" in res.line("D")
     argv = ssh_command(node.ssh, 10)
