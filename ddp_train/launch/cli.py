@@ -1,6 +1,7 @@
 """`ddp-launch`: run the trainer with torchrun on every node of an Ansible inventory at once.
 
     ddp-launch [run] --hosts INVENTORY [--config F] [--set k=v ...] [options] [-- trainer args]
+    ddp-launch [run] --hosts INVENTORY [--sync DIR] [options] train.py [script args]   (or -m pkg.mod)
     ddp-launch doctor --hosts INVENTORY [options]
 
 Exit codes: 0 ok; 1 a node failed, could not start, or was lost; 2 bad input; 3 preflight failed;
@@ -13,12 +14,15 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ddp_train.launch.errors import LaunchError, one_line
 
 if TYPE_CHECKING:  # the heavy modules load only when a command needs them
+    from ddp_train.launch.inventory import Node
+    from ddp_train.launch.logs import JobLog
     from ddp_train.launch.plan import JobPlan, NodePlan
+    from ddp_train.launch.sync import Manifest
 
 DEFAULT_INVENTORY = "inventory/local"
 EPILOG = """examples:
@@ -26,6 +30,8 @@ EPILOG = """examples:
   ddp-launch doctor --hosts inventory/prod                 # preflight table, starts nothing
   ddp-launch --hosts inventory/prod --limit 'gpu[01:04]' --config train.yaml --set train.max_steps=500
   ddp-launch --hosts inventory/prod --dry-run -- --extra-trainer-arg
+  ddp-launch --hosts inventory/prod --sync . train.py --epochs 3   # your own script, shipped to every node
+  ddp-launch --hosts inventory/prod --sync . -m mypkg.train --lr 3e-4
 
 exit codes: 0 ok; 1 a node failed, could not start or was lost; 2 bad input; 3 preflight failed;
   124 --timeout; 130 Ctrl-C, 143 SIGTERM (128+N for signal N). A stop lets every rank finish its step
@@ -44,10 +50,13 @@ def _parser(doctor: bool) -> argparse.ArgumentParser:
         description=(
             "Check every node of the inventory (SSH, versions, ports, hostnames) and print a table."
             if doctor
-            else "Start torchrun + the ddp_train trainer on every node of an Ansible inventory at once.\n"
-            "Arguments after `--` go to the trainer. `ddp-launch doctor --help`: the checks alone."
+            else "Start torchrun on every node of an Ansible inventory at once, running your script (as\n"
+            "torchrun would: `train.py args` or `-m pkg.mod args`) or, without one, the ddp_train trainer\n"
+            "(arguments after `--` go to it). `ddp-launch doctor --help`: the checks alone."
         ),
-        usage="ddp-launch doctor [options]" if doctor else "ddp-launch [run] [options] [-- trainer args]",
+        usage="ddp-launch doctor [options]"
+        if doctor
+        else "ddp-launch [run] [options] [-- trainer args | [-m] script [script args]]",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -133,20 +142,63 @@ def _parser(doctor: bool) -> argparse.ArgumentParser:
     )
     job.add_argument("--skip-preflight", action="store_true", help="launch without the preflight checks")
     job.add_argument("--dry-run", action="store_true", help="print the exact command of every node and exit")
+    job.add_argument(
+        "--require",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a file the run needs: preflight checks it exists on every node with the master's size/mtime "
+        "(relative: to the run's directory; repeatable)",
+    )
+    user = p.add_argument_group("your own script (torchrun's meaning) and --sync")
+    user.add_argument("-m", "--module", action="store_true", help="the script is a module: -m pkg.mod")
+    user.add_argument(
+        "--sync",
+        metavar="DIR",
+        help="ship DIR to every node (only what changed) and run from there, with it on PYTHONPATH "
+        "[ddp_sync_dir]",
+    )
+    user.add_argument("--no-sync", action="store_true", help="ignore ddp_sync_dir")
+    user.add_argument(
+        "--sync-exclude",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="gitignore-style pattern left out of --sync, besides .gitignore/.ddpignore (repeatable)",
+    )
+    user.add_argument(
+        "--sync-max-size",
+        default="1G",
+        metavar="SIZE",
+        help="refuse to sync more than this (500M, 2G, ...) [1G]",
+    )
+    user.add_argument(
+        "--sync-via",
+        choices=("auto", "rsync", "archive"),
+        default="auto",
+        help="auto: rsync over ssh when both ends have it, else a tar archive over the connection [auto]",
+    )
+    user.add_argument("script", nargs="?", help=argparse.SUPPRESS)
+    user.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of ddp-launch."""
     args = list(sys.argv[1:] if argv is None else argv)
-    trainer_args: list[str] = []
-    if "--" in args:
-        cut = args.index("--")
-        args, trainer_args = args[:cut], args[cut + 1 :]
     doctor = bool(args) and args[0] == "doctor"
     if args and args[0] in ("doctor", "run"):
         args = args[1:]
+    trainer_args: list[str] = []
+    tail: list[str] | None = None
+    if "--" in args:
+        cut = args.index("--")
+        args, tail = args[:cut], args[cut + 1 :]
     opts = _parser(doctor).parse_args(args)
+    if getattr(opts, "script", None) and tail is not None:  # after a script, `--` is the script's argument
+        opts.script_args += ["--", *tail]
+    elif tail is not None:
+        trainer_args = tail
     if doctor and trainer_args:
         return _usage("doctor takes no trainer arguments after --")
     try:
@@ -185,18 +237,32 @@ def _plan(opts: argparse.Namespace, trainer_args: list[str], doctor: bool) -> Jo
         or (opts.nproc_per_node.isdigit() and int(opts.nproc_per_node) > 0)
     ):
         raise LaunchError(f"--nproc-per-node {opts.nproc_per_node!r}: a positive integer, gpu, cpu or auto")
-    config = None
+    config, required = None, []
     if not doctor:
         if opts.max_restarts is not None and opts.max_restarts < 0:
             raise LaunchError(f"--max-restarts {opts.max_restarts}: must be >= 0")
         for flag, value in (("--grace", opts.grace), ("--timeout", opts.timeout)):
             if value is not None and value <= 0:
                 raise LaunchError(f"{flag} {value:g}: must be > 0")
-        config = _check_config(opts.config, opts.overrides)
+        if opts.module and not opts.script:
+            raise LaunchError("-m/--module: name the module to run, as with torchrun (-m pkg.mod)")
+        if opts.script and (opts.config or opts.overrides or trainer_args):
+            raise LaunchError(
+                "--config/--set/`-- args` are for the packaged trainer; your script takes its own "
+                f"arguments after its name ({opts.script} ...)"
+            )
+        config, required = _check_config(opts.config, opts.overrides)
+        required += opts.require
     sources = opts.hosts or [DEFAULT_INVENTORY]
     nodes = load_nodes(
         sources, group=opts.group, limit=opts.limit, exclude=opts.exclude, extra_vars=opts.extra_vars
     )
+    manifest, script, script_local = None, None, None
+    if not doctor:
+        manifest = _scan(opts, nodes)
+        script, script_local = _script(opts, manifest)
+        if script and not opts.module and not manifest and script not in required:
+            required.append(script)  # not shipped: it must already be the same on every node
     options = Options(
         job_id=None if doctor else opts.job_id,
         nproc_per_node=opts.nproc_per_node,
@@ -209,28 +275,75 @@ def _plan(opts: argparse.Namespace, trainer_args: list[str], doctor: bool) -> Jo
         debug=opts.debug,
         rdzv=None if doctor else opts.rdzv,
         grace=None if doctor else opts.grace,
+        script=script,
+        module=bool(not doctor and opts.module),
+        script_args=tuple(opts.script_args) if script else (),
+        sync=manifest,
+        script_local=script_local,
+        required=tuple(required),
     )
     return build_plan(nodes, options)
 
 
-def _check_config(path: str | None, overrides: Sequence[str]) -> str | None:
-    """Refuse a bad trainer config here, before any node is touched (the trainer checks it again)."""
+def _scan(opts: argparse.Namespace, nodes: Sequence[Node]) -> Manifest | None:
+    """--sync (or ddp_sync_dir) scanned, excluded and size-checked here, before any node is touched."""
+    from ddp_train.launch.plan import same
+    from ddp_train.launch.sync import parse_size, scan
+
+    directory = opts.sync or (None if opts.no_sync else same(nodes, "ddp_sync_dir", lambda n: n.sync_dir))
+    if not directory:
+        return None
+    patterns = same(nodes, "ddp_sync_exclude", lambda n: n.sync_exclude)
+    return scan(directory, [*patterns, *opts.sync_exclude], parse_size(opts.sync_max_size, "--sync-max-size"))
+
+
+def _script(opts: argparse.Namespace, manifest: Manifest | None) -> tuple[str | None, str | None]:
+    """(the script as torchrun gets it, its resolved path here when known). With --sync the script is
+    a file of the synced directory, run by its path inside it."""
+    if not opts.script:
+        return None, None
+    if opts.module:
+        if manifest is None:
+            return opts.script, None
+        rel = opts.script.replace(".", "/")
+        found = [f"{rel}.py", f"{rel}/__main__.py", f"{rel}/__init__.py"]
+        hit = next((f for f in found if f in manifest.entries), None)
+        return opts.script, str(Path(manifest.root, hit)) if hit else None
+    given = Path(opts.script).expanduser()
+    if manifest is None:
+        return opts.script, str(given.resolve()) if given.is_file() else None
+    root = Path(manifest.root)
+    local = given.resolve() if given.exists() else (root / given).resolve()
+    try:
+        rel = local.relative_to(root).as_posix()
+    except ValueError:
+        raise LaunchError(f"{opts.script}: not inside the synced directory {root}") from None
+    if rel not in manifest.entries:
+        raise LaunchError(f"{opts.script}: not among the synced files of {root} (missing or excluded)")
+    return rel, str(local)
+
+
+def _check_config(path: str | None, overrides: Sequence[str]) -> tuple[str | None, list[str]]:
+    """Refuse a bad trainer config here, before any node is touched (the trainer checks it again).
+
+    Returns the config's path and the data files it reads, which preflight looks for on every node."""
     if path is not None:
         p = Path(path)
         if not p.is_file():
             raise LaunchError(f"--config {path}: no such file")
         path = str(p.resolve())
     if path is None and not overrides:
-        return None
+        return None, []
     try:
         from ddp_train.config import ConfigError, load_config
     except ImportError:  # trainer package without a config module: the trainer itself will check
-        return path
+        return path, []
     try:
-        load_config(path, list(overrides))
+        cfg = load_config(path, list(overrides))
     except ConfigError as e:
         raise LaunchError(str(e)) from None
-    return path
+    data = [cfg.data.tokens.path] if cfg.data.name == "tokens" and cfg.data.tokens.path else []
+    return path, data
 
 
 def _dry_run(plan: JobPlan) -> int:
@@ -239,6 +352,9 @@ def _dry_run(plan: JobPlan) -> int:
     where = (f"MASTER_ADDR={plan.master_addr} MASTER_PORT={plan.master_port}" if plan.rdzv == "static"
              else f"c10d rendezvous at {plan.master_addr}:{plan.master_port}")  # fmt: skip
     print(f"# job {plan.job_id}: {len(plan.nodes)} nodes, {where}")
+    if plan.sync:
+        m = plan.sync
+        print(f"# sync {m.root}: {len(m.entries)} files, {m.total_bytes} bytes, content {m.name}")
     for p in plan.nodes:
         print(f"# [{p.label}] {p.node.where}")
         print(f"# environment, sent on stdin: {shown_env(p)}")
@@ -272,9 +388,15 @@ def _launch(plan: JobPlan, opts: argparse.Namespace) -> int:
     try:
         for p in plan.nodes:
             log.note(f"{p.label} ({p.node.where}): {command(p, masked=True)}", console=False)
-        sessions = {}
+        sessions: dict = {}
+        if plan.sync and not _sync(plan, opts, log, sessions):
+            for s in sessions.values():
+                s.close()
+            return 1
         if not opts.skip_preflight:
-            report = run_preflight(plan, connect_timeout=opts.connect_timeout, net_timeout=opts.net_timeout)
+            report = run_preflight(
+                plan, connect_timeout=opts.connect_timeout, net_timeout=opts.net_timeout, sessions=sessions
+            )
             sessions = report.sessions()
             for line in report.warning_lines():
                 log.note(f"preflight warning: {line}")
@@ -318,6 +440,35 @@ def _launch(plan: JobPlan, opts: argparse.Namespace) -> int:
         return job.run()
     finally:
         log.close()
+
+
+def _sync(plan: JobPlan, opts: argparse.Namespace, log: JobLog, sessions: dict) -> bool:
+    """Ship --sync to every remote node in parallel; one line per node. False if any node failed."""
+    from ddp_train.launch.preflight import parallel
+    from ddp_train.launch.remote import RemoteError, open_session
+    from ddp_train.launch.sync import SyncError, sync_node
+
+    def one(p: NodePlan) -> tuple[Any, str | None]:
+        if p.node.local or p.node.ssh is None:
+            return None, None
+        try:
+            s = sessions[p.node.name] = open_session(p.node, opts.connect_timeout)
+            return sync_node(s, p.node, plan.sync, opts.sync_via, opts.connect_timeout), None
+        except (RemoteError, SyncError) as e:
+            return None, str(e)
+
+    results = parallel(one, list(plan.nodes))
+    record = {}
+    for p, (res, err) in zip(plan.nodes, results):
+        if err:
+            log.note(f"sync failed: {err}; nothing was started")
+        elif res is None:
+            log.note(f"sync: {p.node.name}: local node, runs in {p.sync_dir}")
+        else:
+            log.note(res.line(p.sync_dir or ""))
+            record[p.node.name] = {"via": res.via, "files": res.files, "bytes": res.bytes, "dir": p.sync_dir}
+    log.write_json("sync.json", {"source": plan.sync.root, "content": plan.sync.digest, "nodes": record})
+    return not any(err for _, err in results)
 
 
 if __name__ == "__main__":

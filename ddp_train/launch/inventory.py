@@ -71,6 +71,8 @@ class Node:
     master: str | None = None  # ddp_master
     master_addr: str | None = None  # ddp_master_addr
     network_cidr: str | None = None
+    sync_dir: str | None = None  # ddp_sync_dir: the default of --sync
+    sync_exclude: tuple[str, ...] = ()  # ddp_sync_exclude: gitignore-style patterns
 
     @property
     def where(self) -> str:
@@ -329,7 +331,18 @@ def _node(loader: Any, variables: Any, host: Any, extra: Mapping[str, Any], wher
         master=v.text("ddp_master"),
         master_addr=v.text("ddp_master_addr"),
         network_cidr=v.text("ddp_network_cidr"),
+        sync_dir=v.text("ddp_sync_dir"),
+        sync_exclude=_patterns(v, "ddp_sync_exclude"),
     )
+
+
+def _patterns(v: _Vars, key: str) -> tuple[str, ...]:
+    value = v.get(key, default=[])
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(x, str) and x and "\n" not in x for x in value):
+        raise v.error(key, f"expected a list of patterns (strings), got {_short(value)}")
+    return tuple(value)
 
 
 def _nproc(v: _Vars) -> str:

@@ -12,6 +12,7 @@ import dataclasses
 import ipaddress
 import json
 import math
+import posixpath
 import re
 import secrets
 import shlex
@@ -22,6 +23,7 @@ from typing import Any
 
 from ddp_train.launch.errors import LaunchError
 from ddp_train.launch.inventory import Node
+from ddp_train.launch.sync import Manifest, remote_dir
 
 PGID_MARKER = "DDP-LAUNCH-PGID"
 SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
@@ -50,6 +52,12 @@ class Options:
     debug: bool = False
     rdzv: str | None = None  # static | c10d; None: c10d when restarts are allowed on several nodes
     grace: float | None = None  # --grace: seconds a stop waits before KILL (None: derived, capped)
+    script: str | None = None  # the user's script (or module with `module`) instead of -m ddp_train
+    module: bool = False
+    script_args: Sequence[str] = ()
+    sync: Manifest | None = None  # --sync: the scanned directory every node runs from
+    script_local: str | None = None  # the script's resolved path on this machine, when known
+    required: Sequence[str] = ()  # files the run needs on every node (relative: to the run's directory)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +69,16 @@ class NodePlan:
     env: Mapping[str, str]
     argv: tuple[str, ...]  # torchrun and its arguments
     config_path: str | None  # where --config lives on this node
+    sync_dir: str | None = None  # the node's copy of --sync: the run starts there
 
     @property
     def label(self) -> str:
         return f"{self.node.name} r{self.rank}"
+
+    @property
+    def cwd(self) -> str | None:
+        """The directory torchrun starts in: the synced copy, else ddp_workdir (None: the login dir)."""
+        return self.sync_dir or self.node.workdir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +92,11 @@ class JobPlan:
     config: str | None
     master_name: str
     rdzv: str = "static"
+    script: str | None = None  # as passed to torchrun (relative to the run's directory), or a module
+    module: bool = False
+    script_local: str | None = None  # the script on this machine (hook for checks before launch)
+    sync: Manifest | None = None  # the synced directory; each node's copy is NodePlan.sync_dir
+    required: tuple[str, ...] = ()  # checked on every node by preflight
 
     @property
     def master(self) -> NodePlan:
@@ -110,7 +129,7 @@ def build_plan(nodes: Sequence[Node], options: Options) -> JobPlan:
     job_id = options.job_id or new_job_id()
     if not JOB_ID.match(job_id):
         raise LaunchError(f"--job-id {job_id!r}: use letters, digits, '.', '_' or '-' (max 64)")
-    master_name = _same(nodes, "ddp_master", lambda n: n.master)
+    master_name = same(nodes, "ddp_master", lambda n: n.master)
     ordered = list(nodes)
     if master_name is not None:
         names = [n.name for n in nodes]
@@ -123,8 +142,8 @@ def build_plan(nodes: Sequence[Node], options: Options) -> JobPlan:
     if len(set(names)) != len(names):
         raise LaunchError(f"a host is listed twice: {', '.join(names)}")
     master = ordered[0]
-    port = options.master_port or _same(nodes, "ddp_master_port", lambda n: n.master_port)
-    explicit = _same(nodes, "ddp_master_addr", lambda n: n.master_addr)
+    port = options.master_port or same(nodes, "ddp_master_port", lambda n: n.master_port)
+    explicit = same(nodes, "ddp_master_addr", lambda n: n.master_addr)
     all_local = all(n.local for n in ordered)
     addr = master_address(master, explicit, all_local=all_local)
     rdzv = options.rdzv or ("c10d" if (options.max_restarts or 0) > 0 and len(ordered) > 1 else "static")
@@ -139,7 +158,9 @@ def build_plan(nodes: Sequence[Node], options: Options) -> JobPlan:
         for rank, node in enumerate(ordered)
     )
     return JobPlan(job_id=job_id, nodes=plans, master_addr=addr, master_port=port, config=options.config,
-                   master_name=master.name, rdzv=rdzv)  # fmt: skip
+                   master_name=master.name, rdzv=rdzv, script=options.script, module=options.module,
+                   script_local=options.script_local, sync=options.sync,
+                   required=tuple(options.required))  # fmt: skip
 
 
 def _c10d_order(
@@ -166,7 +187,7 @@ def _c10d_order(
     return ordered, [[*common, "--local-addr", local_addrs[n.name]] for n in ordered]
 
 
-def _same(nodes: Sequence[Node], var: str, get: Callable[[Node], Any]) -> Any:
+def same(nodes: Sequence[Node], var: str, get: Callable[[Node], Any]) -> Any:
     """A job-level variable: it must have one value on every node."""
     values = {n.name: get(n) for n in nodes}
     distinct = set(values.values())
@@ -229,6 +250,11 @@ def _node_plan(
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env.update(node.env)
     env.update(options.env)
+    sync_dir = remote_dir(node, options.sync) if options.sync else None
+    if sync_dir:
+        # relative (no ddp_workdir): the run starts in the copy, so "." is the copy
+        entry = sync_dir if sync_dir.startswith("/") else "."
+        env["PYTHONPATH"] = f"{entry}:{env['PYTHONPATH']}" if env.get("PYTHONPATH") else entry
     if options.debug:
         env.update(DEBUG_ENV)
     env["DDP_JOB_ID"] = job_id
@@ -243,15 +269,23 @@ def _node_plan(
     ]
     if options.max_restarts is not None:
         argv += ["--max-restarts", str(options.max_restarts)]
+    if options.script:
+        argv += [*(["-m"] if options.module else []), options.script, *options.script_args]
+        return NodePlan(node=node, rank=rank, env=env, argv=tuple(argv), config_path=None, sync_dir=sync_dir)
     argv += ["-m", "ddp_train"]
     config_path = None
     if options.config:
         config_path = options.config if node.local else remote_config_path(node, job_id, options.config)
-        argv += ["--config", config_path]
+        shown = config_path
+        if sync_dir and not config_path.startswith("/"):  # both under the login dir; the run is in sync_dir
+            shown = posixpath.relpath(config_path, sync_dir)
+        argv += ["--config", shown]
     for item in options.overrides:
         argv += ["--set", item]
     argv += list(options.trainer_args)
-    return NodePlan(node=node, rank=rank, env=env, argv=tuple(argv), config_path=config_path)
+    return NodePlan(
+        node=node, rank=rank, env=env, argv=tuple(argv), config_path=config_path, sync_dir=sync_dir
+    )
 
 
 def remote_config_path(node: Node, job_id: str, local_path: str) -> str:
@@ -262,7 +296,7 @@ def remote_config_path(node: Node, job_id: str, local_path: str) -> str:
 
 
 def command(plan: NodePlan, masked: bool = False) -> str:
-    """The shell command a node runs: cd workdir; setsid the agent, which prints its PGID first.
+    """The shell command a node runs: cd to its run directory; setsid the agent, which prints its PGID first.
 
     `setsid -w` puts the agent (ddp_train.agent, which runs torchrun in its own process) and every
     worker in one new process group (PGID = the pid of the inner `sh`, which prints it and then execs
@@ -277,7 +311,7 @@ def command(plan: NodePlan, masked: bool = False) -> str:
     inner = f'echo "{PGID_MARKER} $$"; exec "$@"'
     agent = [python, "-m", "ddp_train.agent", *argv]
     run = shlex.join(["exec", "setsid", "-w", "env", *env, "sh", "-c", inner, "ddp-launch", *agent])
-    workdir = plan.node.workdir
+    workdir = plan.cwd
     return f"cd -- {shlex.quote(workdir)} && {run}" if workdir else run
 
 

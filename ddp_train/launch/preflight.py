@@ -13,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import ipaddress
 import json
+import posixpath
 import secrets
 import shlex
 from collections.abc import Callable, Sequence
@@ -22,6 +23,7 @@ from ddp_train.launch.errors import LaunchError, one_line
 from ddp_train.launch.logs import table
 from ddp_train.launch.plan import JobPlan, NodePlan, resolve
 from ddp_train.launch.remote import RemoteError, Session, Stream, open_session
+from ddp_train.launch.sync import TREE_SRC, node_python
 
 PROBE_MARK = "DDP-PROBE "
 FINGERPRINT = "ddp-train-fingerprint.json"
@@ -164,6 +166,37 @@ ts = [threading.Thread(target=probe, args=t) for t in targets]
 print("DDP-CONNECT " + json.dumps(out), flush=True)
 """
 
+# The synced copy's content digest and the files the run needs, as seen from the run's directory.
+FILES = (
+    TREE_SRC
+    + r"""
+import sys
+cwd, sync_dir, required = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+r = {"files": {}}
+if sync_dir:  # before the chdir: both paths are relative to the login dir
+    try:
+        r["sync"] = shipped(sync_dir)
+    except (OSError, ValueError) as e:
+        r["sync"] = "missing" if not os.path.isdir(sync_dir) else "incomplete (%s)" % (e.strerror or e)
+try:
+    os.chdir(cwd or ".")
+except OSError as e:
+    cwd_error = e.strerror
+else:
+    cwd_error = None
+for p in required:
+    if cwd_error and not os.path.isabs(os.path.expanduser(p)):
+        r["files"][p] = cwd_error
+        continue
+    try:
+        st = os.stat(os.path.expanduser(p))
+        r["files"][p] = [st.st_size, int(st.st_mtime)]
+    except OSError as e:
+        r["files"][p] = e.strerror
+print("DDP-FILES " + json.dumps(r), flush=True)
+"""
+)
+
 T = TypeVar("T")
 
 
@@ -250,14 +283,19 @@ def parallel(fn: Callable[[Any], T], items: Sequence[Any]) -> list[T]:
         return list(pool.map(fn, items))
 
 
-def run_preflight(plan: JobPlan, connect_timeout: float = 10, net_timeout: float = 3) -> Report:
-    """Run every check on every node (in parallel) and return the report; starts nothing."""
-    checks = [NodeCheck(p) for p in plan.nodes]
+def run_preflight(
+    plan: JobPlan, connect_timeout: float = 10, net_timeout: float = 3, sessions: dict | None = None
+) -> Report:
+    """Run every check on every node (in parallel) and return the report; starts nothing.
+
+    `sessions`: connections already open (by --sync), reused instead of opening new ones."""
+    checks = [NodeCheck(p, session=(sessions or {}).get(p.node.name)) for p in plan.nodes]
     parallel(lambda c: _probe(c, connect_timeout), checks)
     _compare_versions(checks)
     _compare_patch_level(checks)
     for c in checks:
         _check_node_facts(c, plan)
+    _check_files(plan, checks)
     _check_network(plan, checks, net_timeout)
     return Report(checks=checks)
 
@@ -275,7 +313,7 @@ def python_command(p: NodePlan, script: str, *args: str) -> str:
 def _probe(c: NodeCheck, connect_timeout: float) -> None:
     node = c.plan.node
     try:
-        c.session = open_session(node, connect_timeout)
+        c.session = c.session or open_session(node, connect_timeout)
     except RemoteError as e:
         c.fail(f"ssh: {str(e).split(': ', 1)[-1]}")
         return
@@ -331,6 +369,57 @@ def _check_node_facts(c: NodeCheck, plan: JobPlan) -> None:
                 c.warnings.append(
                     f"{key} is {got} but the provisioning fingerprint says {want} (venv changed?)"
                 )
+
+
+def _check_files(plan: JobPlan, checks: list[NodeCheck]) -> None:
+    """--sync's content digest on every remote node, and the run's files: present on every node with
+    the master's size and mtime (files inside the synced copy are covered by its digest)."""
+    if not plan.sync and not plan.required:
+        return
+    found: dict[str, dict] = {}
+
+    def look(c: NodeCheck) -> None:
+        verify = c.plan.sync_dir if plan.sync and not c.plan.node.local else ""
+        cmd = node_python(c.plan.node, FILES, c.plan.cwd or "", verify or "", json.dumps(list(plan.required)))
+        try:
+            code, out = c.session.exec(cmd, timeout=300)  # type: ignore[union-attr]
+        except RemoteError as e:
+            c.fail(f"file check failed: {str(e).split(': ', 1)[-1]}")
+            return
+        lines = [ln for ln in out.splitlines() if ln.startswith("DDP-FILES ")]
+        if not lines:
+            c.fail(f"file check failed: {one_line(out) or f'exit {code}'}")
+            return
+        found[c.name] = json.loads(lines[-1][len("DDP-FILES ") :])
+        if verify and found[c.name].get("sync") != plan.sync.digest:  # type: ignore[union-attr]
+            got = str(found[c.name].get("sync"))
+            what = got if " " in got or got == "missing" else f"has content {got[:20]}, not {plan.sync.name}"
+            c.fail(f"synced copy {verify} {what} (changed on the node? the next launch sends it again)")
+
+    parallel(look, [c for c in checks if c.facts and c.session is not None])
+    master = found.get(plan.master_name, {}).get("files", {})
+    for c in checks:
+        if c.name not in found:
+            continue
+        where = c.plan.cwd or "the login directory"
+        problems = []
+        for path, st in found[c.name]["files"].items():
+            ref = master.get(path)
+            if not isinstance(st, list):
+                problems.append(f"{path} missing ({st}, looked in {where})")
+            elif c.name != plan.master_name and isinstance(ref, list) and not _same_file(st, ref, plan, path):
+                problems.append(
+                    f"{path} differs from the master {plan.master_name}: size {st[0]} vs {ref[0]}, "
+                    f"mtime {st[1]} vs {ref[1]}"
+                )
+        if problems:
+            c.fail("files the run needs: " + "; ".join(problems))
+
+
+def _same_file(st: list, ref: list, plan: JobPlan, path: str) -> bool:
+    if plan.sync and posixpath.normpath(path) in plan.sync.entries:
+        return True  # a file of the synced copy: its digest already proves the content equal
+    return st[0] == ref[0] and abs(st[1] - ref[1]) <= 1  # some filesystems keep whole seconds only
 
 
 def _check_hostname(c: NodeCheck) -> None:

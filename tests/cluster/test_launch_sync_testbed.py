@@ -1,0 +1,237 @@
+"""Your own script on every node: `ddp-launch --sync DIR train.py` on the namespace testbed.
+
+Each host gets its own ddp_workdir (with a space in its name), so every sync really goes to three
+places; the hosts share this machine's filesystem otherwise. All tests share one project directory and
+one inventory (module fixture) on the session's testbed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.test_launch_embedded import free_port
+from tests.cluster.test_launch_testbed import FINAL, assert_nothing_left, launch, make_inventory
+from tests.testbed import Testbed
+
+pytestmark = [pytest.mark.testbed, pytest.mark.slow]
+
+# The seed's script, as the README shows it: the lines a user of torch.distributed already has.
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+SEED_SCRIPT = README.split("## Bring your own script", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+
+HELPER = '''\
+import torch
+from torch import nn
+
+
+def make_model():
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+
+
+def make_dataset(n=256):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 8, generator=g)
+    return torch.utils.data.TensorDataset(x, (x.sum(1) > 0).long())
+
+
+class Plugin(nn.Module):
+    """For the packaged trainer: model.plugin=mymodel:build (forward returns the loss)."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, hidden), nn.ReLU(), nn.Linear(hidden, 8))
+
+    def forward(self, inputs, targets):
+        return nn.functional.cross_entropy(self.net(inputs), targets)
+
+
+def build(hidden=16):
+    return Plugin(hidden)
+'''
+
+# Fails on rank 1 once every rank has joined; the others wait in a collective until torn down.
+CRASH_SCRIPT = """\
+import sys
+import time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+dist.barrier()
+if dist.get_rank() == 1:
+    raise SystemExit(f"crash.py: rank 1 gives up (module {__spec__ and __spec__.name}, {sys.argv[1:]})")
+time.sleep(600)
+"""
+
+SEED_FINAL = re.compile(r"^\[(node\d) r(\d)\] seed-script: rank=(\d) world=(\d) params_sha256=(\w+)$", re.M)
+
+
+@pytest.fixture(scope="module")
+def project(testbed: Testbed, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(root, inventory): root/'my project' holds the user's files; one workdir per host."""
+    root = tmp_path_factory.mktemp("sync")
+    proj = root / "my project"
+    proj.mkdir()
+    (proj / "train.py").write_text(SEED_SCRIPT)
+    (proj / "mymodel.py").write_text(HELPER)
+    (proj / "notes 'v1' $HOME;ü.txt").write_text("odd characters reach every node as they are\n")
+    (proj / ".gitignore").write_text("outputs/\n*.ckpt\n")
+    (proj / "outputs").mkdir()
+    (proj / "outputs" / "big.bin").write_bytes(b"\0" * 4096)  # excluded: must never reach a node
+    (proj / "old.ckpt").write_bytes(b"x" * 100)
+    workdirs = {f"node{i}": {"ddp_workdir": str(root / f"work {i}")} for i in range(3)}
+    for v in workdirs.values():
+        Path(v["ddp_workdir"]).mkdir()
+    return root, make_inventory(testbed, root, host_vars=workdirs)
+
+
+def sync_record(root: Path, job_id: str) -> dict:
+    return json.loads((root / "logs" / job_id / "sync.json").read_text())["nodes"]
+
+
+def test_seed_script_runs_synced_on_three_hosts_and_a_second_launch_sends_nothing(
+    testbed: Testbed, project: tuple[Path, Path]
+) -> None:
+    root, inv = project
+    args = ["--hosts", str(inv), "--sync", "my project", "my project/train.py", "--epochs", "2"]
+    code, out = launch([*args[:-3], "--job-id", "sy-1", *args[-3:]], root)
+    assert code == 0, out
+    finals = SEED_FINAL.findall(out)
+    assert sorted((h, r, rank, w) for h, r, rank, w, _ in finals) == [
+        ("node0", "0", "0", "3"), ("node1", "1", "1", "3"), ("node2", "2", "2", "3"),
+    ]  # fmt: skip
+    assert len({sha for *_, sha in finals}) == 1, "ranks ended with different parameters"
+    first = sync_record(root, "sy-1")
+    for i in range(3):
+        assert first[f"node{i}"]["via"] == "rsync" and first[f"node{i}"]["files"] == 4, first
+        copy = Path(first[f"node{i}"]["dir"])
+        assert (copy / "notes 'v1' $HOME;ü.txt").read_text().startswith("odd characters")
+        assert copy.parent.parent.parent == root / f"work {i}"
+        assert sorted(p.name for p in copy.iterdir() if p.name not in ("__pycache__",)) == [
+            ".ddp-sync.json",
+            ".gitignore",
+            "mymodel.py",
+            "notes 'v1' $HOME;ü.txt",
+            "train.py",
+        ]  # outputs/ and *.ckpt are left out by .gitignore
+    assert "seed-script: rank=1 world=3" in (root / "logs" / "sy-1" / "node1.log").read_text()
+    assert_nothing_left(testbed, "sy-1")
+
+    code, out = launch([*args[:-3], "--job-id", "sy-2", *args[-3:]], root)
+    assert code == 0, out
+    second = sync_record(root, "sy-2")
+    assert {n: (r["via"], r["files"], r["bytes"]) for n, r in second.items()} == {
+        f"node{i}": ("up-to-date", 0, 0) for i in range(3)
+    }
+    assert (
+        len(re.findall(r"^ddp-launch: sync: node\d: up to date .*, 0 files, 0 bytes sent$", out, re.M)) == 3
+    )
+    assert len({sha for *_, sha in SEED_FINAL.findall(out)}) == 1 and len(SEED_FINAL.findall(out)) == 3
+
+
+def test_rsync_and_archive_send_only_what_changed_and_a_failing_module_stops_every_host(
+    testbed: Testbed, project: tuple[Path, Path]
+) -> None:
+    root, inv = project
+    base = ["--hosts", str(inv), "--sync", "my project"]
+    stop = ["--require", "no-such-file", "my project/train.py"]  # preflight fails: nothing starts
+    code, out = launch([*base, *stop], root)  # the project as it is, on every node (if not there yet)
+    assert code == 3 and "no-such-file missing" in out, out
+    helper = root / "my project" / "mymodel.py"
+    helper.write_text(helper.read_text() + "# edited\n")
+    code, out = launch([*base, "--job-id", "sy-edit", *stop], root)
+    assert code == 3, out
+    sent = sync_record(root, "sy-edit")
+    assert {n: (r["via"], r["files"]) for n, r in sent.items()} == {
+        f"node{i}": ("rsync", 1) for i in range(3)
+    }
+    base += ["--sync-via", "archive"]
+    (root / "my project" / "crash.py").write_text(CRASH_SCRIPT)
+    try:
+        code, out = launch([*base, "--job-id", "sy-crash", "--grace", "5", "-m", "crash", "--flag"], root)
+    finally:
+        (root / "my project" / "crash.py").unlink()
+    assert code == 1, out
+    sent = sync_record(root, "sy-crash")
+    assert {n: (r["via"], r["files"]) for n, r in sent.items()} == {
+        f"node{i}": ("archive", 1) for i in range(3)
+    }
+    assert all(0 < r["bytes"] < 2000 for r in sent.values()), sent  # crash.py alone, not the project
+    assert re.search(r"FAILED \(first failure: node1 \(rank 1\)", out), out
+    assert "crash.py: rank 1 gives up (module crash, ['--flag'])" in out
+    assert_nothing_left(testbed, "sy-crash")
+
+
+def test_model_plugin_from_the_synced_dir_with_the_packaged_trainer(
+    testbed: Testbed, project: tuple[Path, Path]
+) -> None:
+    root, inv = project
+    sets = ["model.name=plugin", "model.plugin=mymodel:build", "model.plugin_args.hidden=8",
+            "train.max_steps=4", "run.dir=runs-plugin"]  # fmt: skip
+    args = ["--hosts", str(inv), "--sync", "my project", "--job-id", "sy-plugin"]
+    code, out = launch([*args, *[x for s in sets for x in ("--set", s)]], root)
+    assert code == 0, out
+    finals = [FINAL.match(ln).groups() for ln in out.splitlines() if FINAL.match(ln)]
+    assert sorted((h, step) for h, _, _, _, step, _ in finals) == [
+        ("node0", "4"),
+        ("node1", "4"),
+        ("node2", "4"),
+    ]
+    assert len({sha for *_, sha in finals}) == 1
+    assert_nothing_left(testbed, "sy-plugin")
+
+
+def test_a_data_file_missing_on_one_host_is_named_before_launch(
+    testbed: Testbed, project: tuple[Path, Path]
+) -> None:
+    root, inv = project
+    for i in (0, 1):
+        (root / f"work {i}" / "tokens.bin").write_bytes(b"\1\0" * 64)
+    (root / "work 0" / "vocab.json").write_text("{}")
+    shutil.copy2(root / "work 0" / "vocab.json", root / "work 2" / "vocab.json")
+    (root / "work 1" / "vocab.json").write_text('{"a": 1}')  # another size than the master's
+    config = root / "tokens.yaml"  # a file, not --set: values of --set keys named *token* are masked
+    config.write_text("model:\n  name: gpt\ndata:\n  name: tokens\n  tokens:\n    path: tokens.bin\n")
+    args = ["--hosts", str(inv), "--job-id", "sy-data", "--require", "vocab.json", "--config", str(config)]
+    code, out = launch(args, root)
+    assert code == 3, out
+    fails = [ln for ln in out.splitlines() if ln.startswith("FAIL ")]
+    assert len(fails) == 2, out
+    assert re.match(
+        r"FAIL node2: files the run needs: tokens\.bin missing \(No such file.*work 2\)$", fails[1]
+    )
+    assert re.match(
+        r"FAIL node1: files the run needs: vocab\.json differs from the master node0: size 8 vs 2", fails[0]
+    )
+    assert "nothing was started" in out
+    assert (
+        not (root / "logs" / "sy-data" / "node0.log").exists()
+        or "torchrun" not in (root / "logs" / "sy-data" / "node0.log").read_text()
+    )
+
+
+def test_seed_script_on_the_embedded_local_inventory(tmp_path: Path, repo_root: Path) -> None:
+    """The README's first example of a user script: inventory/local runs it in place."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "train.py").write_text(SEED_SCRIPT)
+    (proj / "mymodel.py").write_text(HELPER)
+    inv = str(repo_root / "inventory" / "local")
+
+    def run() -> tuple[int, str]:
+        return launch(
+            ["--hosts", inv, "--master-port", str(free_port()), "--sync", "proj", "proj/train.py"], tmp_path
+        )
+
+    code, out = run()
+    if code != 0 and "address already in use" in out.lower():  # another run on this machine took the port
+        code, out = run()
+    assert code == 0, out
+    assert re.search(r"^ddp-launch: sync: local0: local node, runs in .*/proj$", out, re.M), out
+    finals = re.findall(r"^\[local(\d) r\d\] seed-script: rank=\d world=2 params_sha256=(\w+)$", out, re.M)
+    assert sorted(n for n, _ in finals) == ["0", "1"] and len({s for _, s in finals}) == 1, out
