@@ -1,7 +1,8 @@
 """C1: trainer throughput vs a seed-style plain DDP loop (bench/seed_loop.py), same run.
 
 Both run the same GPT on the same synthetic data and batch (no grad clipping on either side), 2 ranks,
-gloo, OMP_NUM_THREADS=1, under torchrun. Throughput = global samples/s per window of 10 steps, first window (warm-up) dropped, median
+gloo, OMP_NUM_THREADS=1, under torchrun. Throughput = global samples/s per window of 10 steps, first
+window (warm-up) dropped, median
 over windows; the runs alternate (trainer, seed, trainer, seed, ...) so drift hits both alike.
 Prints `C1 trainer/seed_loop samples_s ratio=R` last (R >= 1.0 means the trainer is not slower).
 """

@@ -44,7 +44,8 @@ def test_ssh_refuses_an_unknown_host_key(testbed, tmp_path):
 def test_writing_etc_hosts_inside_a_host_leaves_the_real_one_alone(testbed):
     real = Path("/etc/hosts").read_text()
     h = testbed.hosts()[1]
-    testbed.ssh(h, "echo '10.99.99.99 intruder' >> /etc/hosts && mkdir -p /opt/tb-probe && touch /opt/tb-probe/x")
+    probe = "echo '10.99.99.99 intruder' >> /etc/hosts && mkdir -p /opt/tb-probe && touch /opt/tb-probe/x"
+    testbed.ssh(h, probe)
     assert "intruder" in testbed.ssh(h, "cat /etc/hosts").stdout
     assert "intruder" not in testbed.ssh(testbed.hosts()[0], "cat /etc/hosts").stdout
     assert Path("/etc/hosts").read_text() == real

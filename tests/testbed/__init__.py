@@ -21,6 +21,7 @@ gets simulated GPUs (`--gpus`, `--nvswitch`) and the test helper /usr/local/sbin
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -142,7 +143,18 @@ class Testbed:
         """Run a shell command inside the host's network+mount+UTS namespaces (as sshd sees them)."""
         pid = self.sshd_pid(host)
         return _run(
-            "nsenter", "-t", str(pid), "-n", "-m", "-u", "--", "sh", "-c", command, check=check, timeout=timeout
+            "nsenter",
+            "-t",
+            str(pid),
+            "-n",
+            "-m",
+            "-u",
+            "--",
+            "sh",
+            "-c",
+            command,
+            check=check,
+            timeout=timeout,
         )
 
     def ssh_argv(self, host: Host | str, command: str) -> list[str]:
@@ -153,8 +165,14 @@ class Testbed:
         return _run(*self.ssh_argv(host, command), check=check, timeout=timeout)
 
     # ---- up / down --------------------------------------------------------------------------
-    def up(self, n: int, loopback_hostname: bool = False, gpus: int = 8, nvswitch: bool = False,
-           gpu_model: str = "h100") -> list[Host]:
+    def up(
+        self,
+        n: int,
+        loopback_hostname: bool = False,
+        gpus: int = 8,
+        nvswitch: bool = False,
+        gpu_model: str = "h100",
+    ) -> list[Host]:
         """Create n hosts (tearing down a previous testbed of this prefix first).
 
         gpus, nvswitch and gpu_model describe the simulated hardware of EL sim hosts (os="rocky9").
@@ -180,7 +198,8 @@ class Testbed:
         self.down()
         keys = self.key_file.parent
         keys.mkdir(parents=True, exist_ok=True)
-        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"ddp-testbed-{self.prefix}", "-f", str(self.key_file))
+        comment = f"ddp-testbed-{self.prefix}"
+        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(self.key_file))
         authorized = keys / "authorized_keys"
         shutil.copy(f"{self.key_file}.pub", authorized)
         authorized.chmod(0o600)
@@ -272,9 +291,27 @@ SetEnv PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
             # setsid --fork: sshd is reparented away from us, so killing it never leaves a zombie
             # child in the test process.
             subprocess.run(
-                ["setsid", "--fork", "ip", "netns", "exec", h.netns, "unshare", "--mount", "--uts",
-                 "--propagation", "private", "--", "sh", "-c", script],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, check=True,
+                [
+                    "setsid",
+                    "--fork",
+                    "ip",
+                    "netns",
+                    "exec",
+                    h.netns,
+                    "unshare",
+                    "--mount",
+                    "--uts",
+                    "--propagation",
+                    "private",
+                    "--",
+                    "sh",
+                    "-c",
+                    script,
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                check=True,
             )
         return [f"{h.ip} {pub}\n", f"{h.name} {pub}\n"]
 
@@ -283,7 +320,7 @@ SetEnv PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
         pidfile = self.state_dir / "hosts" / h.name / "sshd.pid"
         while time.monotonic() < deadline:
             if pidfile.exists():
-                res = _run("ip", "netns", "exec", h.netns, "ss", "-Hltn", f"sport = :22", check=False)
+                res = _run("ip", "netns", "exec", h.netns, "ss", "-Hltn", "sport = :22", check=False)
                 if f"{h.ip}:22" in res.stdout:
                     return
             time.sleep(0.05)
@@ -291,9 +328,7 @@ SetEnv PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
         raise TestbedError(f"sshd on {h.name} ({h.ip}) did not start: {log.strip()[-500:]}")
 
     def _write_ssh_config(self, hosts: list[Host]) -> None:
-        blocks = [
-            f"Host {h.name}\n  HostName {h.ip}\n  HostKeyAlias {h.name}\n" for h in hosts
-        ]
+        blocks = [f"Host {h.name}\n  HostName {h.ip}\n  HostKeyAlias {h.name}\n" for h in hosts]
         blocks.append(
             f"Host *\n  User root\n  IdentityFile {self.key_file}\n  IdentitiesOnly yes\n"
             f"  UserKnownHostsFile {self.known_hosts}\n  StrictHostKeyChecking yes\n  BatchMode yes\n"
@@ -340,10 +375,8 @@ SetEnv PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
             for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
                 pids = self.pids(ns)
                 for pid in pids:
-                    try:
+                    with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, sig)
-                    except ProcessLookupError:
-                        pass
                 deadline = time.monotonic() + wait
                 while self.pids(ns) and time.monotonic() < deadline:
                     time.sleep(0.05)
@@ -353,7 +386,7 @@ SetEnv PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
         links = _run("ip", "-o", "link", "show", check=False).stdout
         for line in links.splitlines():
             name = line.split(":")[1].strip().split("@")[0]
-            if name.startswith(f"v{self.prefix}") and name[len(self.prefix) + 1:].isdigit():
+            if name.startswith(f"v{self.prefix}") and name[len(self.prefix) + 1 :].isdigit():
                 _run("ip", "link", "del", name, check=False)
         if _run("ip", "link", "show", self.bridge, check=False).returncode == 0:
             _run("ip", "link", "del", self.bridge, check=False)

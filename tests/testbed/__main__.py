@@ -10,15 +10,24 @@ from . import DEFAULT_NET, DEFAULT_PREFIX, OS_CHOICES, Testbed, TestbedError
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.testbed", description=__doc__)
-    p.add_argument("--prefix", default=DEFAULT_PREFIX, help="names this testbed (namespaces, bridge, state dir)")
+    p.add_argument(
+        "--prefix", default=DEFAULT_PREFIX, help="names this testbed (namespaces, bridge, state dir)"
+    )
     p.add_argument("--net", default=DEFAULT_NET, help="the private /24 to use, as A.B.C")
     sub = p.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="create N hosts")
     up.add_argument("n", type=int)
-    up.add_argument("--loopback-hostname", action="store_true",
-                    help="map each hostname to 127.0.1.1 in its /etc/hosts, as Debian's installer does")
-    up.add_argument("--os", choices=OS_CHOICES, default="debian",
-                    help="rocky9: EL9 simulation hosts (real dnf/rpm against local repos, tests/testbed/el)")
+    up.add_argument(
+        "--loopback-hostname",
+        action="store_true",
+        help="map each hostname to 127.0.1.1 in its /etc/hosts, as Debian's installer does",
+    )
+    up.add_argument(
+        "--os",
+        choices=OS_CHOICES,
+        default="debian",
+        help="rocky9: EL9 simulation hosts (real dnf/rpm against local repos, tests/testbed/el)",
+    )
     up.add_argument("--gpus", type=int, default=8, help="simulated NVIDIA GPUs per rocky9 host (0-8)")
     up.add_argument("--gpu-model", choices=("h100", "h200"), default="h100")
     up.add_argument("--nvswitch", action="store_true", help="rocky9 hosts also get 4 simulated NVSwitches")
@@ -28,8 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tb = Testbed(prefix=args.prefix, net=args.net, os=getattr(args, "os", "debian"))
         if args.cmd == "up":
-            hosts = tb.up(args.n, loopback_hostname=args.loopback_hostname, gpus=args.gpus,
-                          nvswitch=args.nvswitch, gpu_model=args.gpu_model)
+            hosts = tb.up(
+                args.n,
+                loopback_hostname=args.loopback_hostname,
+                gpus=args.gpus,
+                nvswitch=args.nvswitch,
+                gpu_model=args.gpu_model,
+            )
             for h in hosts:
                 print(f"{h.name} {h.ip} netns={h.netns}")
             print(f"inventory: {tb.inventory}")
