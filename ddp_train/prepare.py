@@ -196,16 +196,16 @@ def open_tokenizer(spec: dict[str, str]) -> tokenizers_.Tokenizer:
     return tokenizers_.load_file(spec["path"], spec["kind"])
 
 
-def _encode(args: tuple[Chunk, float, str]) -> tuple[Any, ...]:
-    c, val_fraction, field = args
+def _encode(args: tuple[Chunk, float, str, str]) -> tuple[Any, ...]:
+    c, val_fraction, field, dtype = args
     try:
         train, val = chunk_parts(c, val_fraction, field)
     except ConfigError as exc:  # sent back as plain data: the parent raises it again
         return ("error", exc.source, exc.field, exc.message)
-    return _TOK.encode(train), _TOK.encode(val), c.end - c.start
+    return _TOK.encode(train).astype(dtype), _TOK.encode(val).astype(dtype), c.end - c.start
 
 
-def _encoded(tasks: list[tuple[Chunk, float, str]], spec: dict[str, str], workers: int) -> Iterator[Any]:
+def _encoded(tasks: list[tuple[Chunk, float, str, str]], spec: dict[str, str], workers: int) -> Iterator[Any]:
     """Encoded chunks in order; at most 2 x workers in flight, so memory is bounded."""
     if workers <= 1:
         _init_worker(spec)
@@ -285,13 +285,13 @@ def prepare(
     done = 0
     try:
         with open(tmp["train"], "wb") as ftrain, open(tmp["val"], "wb") as fval:
-            tasks = [(c, val_fraction, field) for c in chunks]
+            tasks = [(c, val_fraction, field, dtype.name) for c in chunks]
             for result in _encoded(tasks, spec, n_workers):
                 if isinstance(result[0], str):
                     raise ConfigError(*result[1:])
                 train_ids, val_ids, nbytes = result
-                ftrain.write(train_ids.astype(dtype).tobytes())
-                fval.write(val_ids.astype(dtype).tobytes())
+                ftrain.write(memoryview(train_ids))
+                fval.write(memoryview(val_ids))
                 counts["train"] += len(train_ids)
                 counts["val"] += len(val_ids)
                 done += nbytes

@@ -39,7 +39,7 @@ class ByteTokenizer:
     vocab_size = BYTE_VOCAB
 
     def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint32)
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
