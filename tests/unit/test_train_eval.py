@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import re
 from pathlib import Path
 
@@ -19,21 +18,9 @@ from ddp_train.data import SyntheticClassification, TokenSequences
 from ddp_train.evaluate import Evaluator
 from ddp_train.prepare import prepare
 from ddp_train.trainer import run
+from tests.integration.corpus import VAL_LOSS_BOUND, text_corpus
 
 FINAL_SHA = re.compile(r"params_sha256=([0-9a-f]{16})")
-SENTENCES = [
-    "the cat sat on the mat.",
-    "a dog ran to the red house.",
-    "my bird sang in the old tree.",
-    "the fox hid under a green bush.",
-]
-
-
-def text_corpus(path: Path, lines: int = 6000, seed: int = 0) -> Path:
-    """Sentences drawn from a small set: learnable, with a per-byte entropy far below ln(256)."""
-    rng = random.Random(seed)
-    path.write_text("".join(rng.choice(SENTENCES) + "\n" for _ in range(lines)), encoding="utf-8")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +104,7 @@ def test_gpt_on_prepared_bytes_reaches_the_val_bound(tmp_path, prepared, capsys)
     val = [r for r in records(tmp_path) if "val_loss" in r]
     assert [r["step"] for r in val] == [20, 40, 60]
     assert val[0]["val_loss"] < math.log(256)
-    # Bound: 1.6 nats/byte, well under the corpus' unigram byte entropy (2.74 nats): the model uses context.
-    assert val[-1]["val_loss"] < 1.6
+    assert val[-1]["val_loss"] < VAL_LOSS_BOUND
     assert val[-1]["val_ppl"] == pytest.approx(math.exp(val[-1]["val_loss"]), rel=1e-4)
     saved = torch.load(tmp_path / "runs" / "default" / "best.pt", weights_only=True)
     assert saved["config"]["model"]["gpt"]["vocab_size"] == 256  # 'auto' took meta.json's
