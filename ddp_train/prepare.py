@@ -278,7 +278,7 @@ def prepare(
     dtype = _dtype(tok.vocab_size)
 
     total_bytes = sum(c.end - c.start for c in chunks)
-    bar = ProgressBar(max(1, total_bytes >> 20), progress)
+    bar = ProgressBar(max(1, -(-total_bytes >> 20)), progress)  # MiB, rounded up
     n_workers = workers or os.cpu_count() or 1
     counts = {"train": 0, "val": 0}
     tmp = {k: out / f"{k}.bin.tmp" for k in counts}
@@ -295,7 +295,7 @@ def prepare(
                 counts["train"] += len(train_ids)
                 counts["val"] += len(val_ids)
                 done += nbytes
-                bar.update(done >> 20, f"MiB, {counts['train'] + counts['val']} tokens")
+                bar.update(-(-done >> 20), f"MiB, {counts['train'] + counts['val']} tokens")
             for f in (ftrain, fval):
                 f.flush()
                 os.fsync(f.fileno())

@@ -315,6 +315,7 @@ class Trainer:
     def validate(self) -> float:
         """Val loss of the current model on every rank's slice (collective); keeps the best."""
         assert self.evaluator is not None
+        t0 = time.perf_counter()
         loss = self.evaluator.evaluate(self.net, self.autocast)
         self._val[self.step] = loss
         best = self.best.get("val_loss")
@@ -322,6 +323,8 @@ class Trainer:
             self.best = {"val_loss": loss, "step": self.step}
             if self.cfg.eval.keep_best:
                 self.save_best()
+        if hasattr(self, "_window"):
+            self._window.start += time.perf_counter() - t0  # tokens/s and MFU count training time only
         return loss
 
     def save(self) -> None:

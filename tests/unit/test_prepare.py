@@ -246,3 +246,15 @@ def test_a_corpus_larger_than_the_memory_bound_streams(tmp_path):
     # 96 MiB of uint16 tokens.
     growth = [p - b for p, b in zip(peak, base)]
     assert max(growth) < 24 << 10, f"RSS growth parent/worker {growth} KiB (base {base})"
+
+
+def test_progress_bar_counts_mebibytes(tmp_path, capsys):
+    src = tmp_path / "a.txt"
+    src.write_text("".join(numbered_lines(100000, 4)), encoding="utf-8")
+    mib = -(-src.stat().st_size >> 20)
+    assert mib >= 3
+    assert prepare(src, "--out", tmp_path / "out", "--workers", 1, "--progress", "always") == 0
+    err = capsys.readouterr().err
+    draws = [d for d in err.split("\r\x1b[K") if d.startswith("[")]
+    assert len(draws) == mib and draws[-1].startswith("[" + "#" * 30 + f"] {mib}/{mib} MiB"), draws[-3:]
+    assert draws[0].startswith(f"[{'#' * (30 // mib)}") and f"] 1/{mib} MiB" in draws[0]
