@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import os
 from collections.abc import Iterator, Sized
@@ -207,6 +208,14 @@ def resolve_vocab(cfg: Config) -> None:
             )
         gpt.vocab_size = int(meta["vocab_size"])
         return
+    if meta is not None and int(gpt.vocab_size) > meta["vocab_size"]:
+        logging.getLogger("ddp_train").warning(
+            "model.gpt.vocab_size %s > %s's vocab_size %s: fine as padding (gpt2's 50304 for 50257), "
+            "wasted rows otherwise",
+            gpt.vocab_size,
+            src.meta_path,
+            meta["vocab_size"],
+        )
     if meta is not None and int(gpt.vocab_size) < meta["vocab_size"]:
         need, kind = meta["vocab_size"], meta.get("tokenizer", {}).get("kind", "?")
         raise ConfigError(

@@ -127,6 +127,12 @@ def test_vocab_smaller_than_the_data_is_refused_before_the_first_step(tmp_path, 
     assert not (tmp_path / "runs" / "default" / "metrics.jsonl").exists()  # not a single step
 
 
+def test_a_padded_vocab_trains_with_a_warning(tmp_path, prepared, capsys):
+    sets = ["model.name=gpt", "data.name=tokens", f"data.tokens.path={prepared}", "train.max_steps=2"]
+    assert train(tmp_path, *sets, "model.gpt.vocab_size=320") == 0
+    assert "model.gpt.vocab_size 320 > " in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
