@@ -26,8 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line parser of the trainer."""
     p = _Parser(
         prog="ddp-train",
-        description="DDP trainer. Run alone (one process) or under torchrun, e.g. "
-        "`torchrun --standalone --nproc-per-node 2 -m ddp_train`.",
+        description="DDP trainer (`ddp-train prepare --help`: text -> token files). Run alone (one "
+        "process) or under torchrun, e.g. `torchrun --standalone --nproc-per-node 2 -m ddp_train`.",
         epilog="Exit codes: 0 ok, 2 bad input, 3 ranks diverged, 143/130 stopped by SIGTERM/SIGINT after "
         "saving a checkpoint, 1 other failures.",
     )
@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `ddp-train`; returns the process exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["prepare"]:
+        from ddp_train.prepare import main as prepare_main
+
+        return prepare_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)

@@ -70,8 +70,13 @@ def _fsync_dir(directory: Path) -> None:
 
 def save(state: dict[str, Any], directory: Path, step: int, delay_s: float = 0.0) -> Path:
     """Write `state` as step-NNNNNNNN.pt atomically: temp file, flush, fsync, rename, fsync dir."""
+    return save_file(state, directory / checkpoint_name(step), delay_s)
+
+
+def save_file(state: dict[str, Any], final: Path, delay_s: float = 0.0) -> Path:
+    """Write `state` to `final` atomically (also best.pt, which no listing or pruning ever sees)."""
+    directory = final.parent
     directory.mkdir(parents=True, exist_ok=True)
-    final = directory / checkpoint_name(step)
     tmp = directory / (final.name + ".tmp")
     try:
         with open(tmp, "wb") as f:

@@ -53,7 +53,7 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 64
     block_size: int = 32
-    vocab_size: int = 64
+    vocab_size: int | str = 64  # or "auto": meta.json's vocab_size (resolved by data.resolve_vocab)
     dropout: float = 0.0
     bias: bool = False
 
@@ -70,11 +70,20 @@ class ModelConfig:
 @dataclass
 class SyntheticConfig:
     num_samples: int = 1024
+    val_samples: int = 256
 
 
 @dataclass
 class TokensConfig:
     path: str | None = None
+    val_path: str | None = None
+
+
+@dataclass
+class EvalConfig:
+    interval_steps: int = 10
+    batches: int = 4
+    keep_best: bool = True
 
 
 @dataclass
@@ -147,6 +156,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -450,6 +460,10 @@ def _semantic_checks(cfg: Config) -> list[tuple[str, str, str]]:
         if sec.plugin and sec.name != "plugin":
             out.append((name, plugin, f"must be 'plugin' when {plugin} is set"))
     gpt = cfg.model.gpt
+    if gpt.vocab_size == "auto" and cfg.model.name == "gpt" and cfg.data.name != "tokens":
+        out.append(
+            ("model.gpt.vocab_size", "data.name", "'auto' needs data.name 'tokens' (a prepared directory)")
+        )
     if cfg.model.name == "gpt" and gpt.n_embd % gpt.n_head:
         out.append(("model.gpt.n_head", "model.gpt.n_embd", f"must divide model.gpt.n_embd ({gpt.n_embd})"))
     if cfg.data.name == "tokens" and not cfg.data.tokens.path:

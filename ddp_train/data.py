@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import os
 from collections.abc import Iterator, Sized
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +24,22 @@ class SyntheticClassification(Dataset):
     def __init__(self, num_samples: int, in_dim: int, n_classes: int, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
         self.x = torch.randn(num_samples, in_dim, generator=g)
-        w1 = torch.randn(in_dim, 4 * n_classes, generator=g) / in_dim**0.5
-        w2 = torch.randn(4 * n_classes, n_classes, generator=g)
-        self.y = (torch.tanh(self.x @ w1) @ w2).argmax(dim=1)
+        self.w1 = torch.randn(in_dim, 4 * n_classes, generator=g) / in_dim**0.5
+        self.w2 = torch.randn(4 * n_classes, n_classes, generator=g)
+        self.y = self.label(self.x)
+
+    def label(self, x: torch.Tensor) -> torch.Tensor:
+        """The teacher's labels for inputs x."""
+        return (torch.tanh(x @ self.w1) @ self.w2).argmax(dim=1)
+
+    def held_out(self, num_samples: int, seed: int) -> SyntheticClassification:
+        """Fresh inputs (own seed) labelled by the same teacher: a validation split of the same task."""
+        val = object.__new__(SyntheticClassification)
+        g = torch.Generator().manual_seed(seed)
+        val.x = torch.randn(num_samples, self.x.shape[1], generator=g)
+        val.w1, val.w2 = self.w1, self.w2
+        val.y = self.label(val.x)
+        return val
 
     def __len__(self) -> int:
         return self.x.shape[0]
@@ -33,14 +48,19 @@ class SyntheticClassification(Dataset):
         return self.x[i], self.y[i]
 
 
-def markov_tokens(num_seqs: int, length: int, vocab_size: int, seed: int) -> torch.Tensor:
+def markov_tokens(
+    num_seqs: int, length: int, vocab_size: int, seed: int, sample_seed: int | None = None
+) -> torch.Tensor:
     """`num_seqs` sequences from a fixed sparse Markov chain: each token has <= 4 successors (p .7/.1/.1/.1).
 
-    The best possible loss is the chain's entropy (~0.94 nats) against ln(vocab_size) at init.
+    The best possible loss is the chain's entropy (~0.94 nats) against ln(vocab_size) at init. The chain
+    comes from `seed`; with `sample_seed` the sequences are drawn from their own stream (a val split).
     """
     g = torch.Generator().manual_seed(seed)
     k = min(4, vocab_size)
     succ = torch.randint(vocab_size, (vocab_size, k), generator=g)
+    if sample_seed is not None:
+        g = torch.Generator().manual_seed(sample_seed)
     probs = torch.tensor([0.7, 0.1, 0.1, 0.1][:k])
     cum = (probs / probs.sum()).cumsum(0)
     cum[-1] = 1.0
@@ -73,19 +93,29 @@ class TokenFile(Dataset):
     map is opened lazily in each process (DataLoader workers included); pages are shared, never copied.
     """
 
-    def __init__(self, path: str, block_size: int, vocab_size: int) -> None:
+    def __init__(
+        self,
+        path: str,
+        block_size: int,
+        vocab_size: int,
+        dtype: str = "uint16",
+        field: str = "data.tokens.path",
+    ) -> None:
         self.path, self.block_size, self.vocab_size = str(path), block_size, vocab_size
+        self.dtype = _DTYPES[dtype]
+        width = self.dtype.itemsize
         try:
             size = os.path.getsize(self.path)
         except OSError as exc:
-            raise ConfigError(self.path, "data.tokens.path", f"cannot open: {exc.strerror or exc}") from None
-        if size % 2:
-            raise ConfigError(self.path, "data.tokens.path", f"size {size} is odd; not a uint16 token file")
-        self.num_tokens = size // 2
+            raise ConfigError(self.path, field, f"cannot open: {exc.strerror or exc}") from None
+        if size % width:
+            odd = "odd" if width == 2 else f"not a multiple of {width}"
+            raise ConfigError(self.path, field, f"size {size} is {odd}; not a {dtype} token file")
+        self.num_tokens = size // width
         if self.num_tokens < block_size + 1:
             raise ConfigError(
                 self.path,
-                "data.tokens.path",
+                field,
                 f"{self.num_tokens} tokens, fewer than block_size + 1 ({block_size + 1})",
             )
         self._tokens: torch.Tensor | None = None
@@ -95,7 +125,7 @@ class TokenFile(Dataset):
         with open(self.path, "rb") as f:
             # ACCESS_COPY: a writable (copy-on-write) view, so torch.frombuffer needs no copy or warning.
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        self._tokens = torch.frombuffer(self._map, dtype=torch.uint16, count=self.num_tokens)
+        self._tokens = torch.frombuffer(self._map, dtype=self.dtype, count=self.num_tokens)
         return self._tokens
 
     def __getstate__(self) -> dict[str, Any]:
@@ -118,6 +148,84 @@ class TokenFile(Dataset):
         return chunk[:-1], chunk[1:]
 
 
+_DTYPES = {"uint16": torch.uint16, "uint32": torch.uint32}
+VAL_SEED_OFFSET = 1_000_003  # the synthetic val split's own sample stream: seed + this
+
+
+@dataclass
+class TokenSource:
+    """Where token data lives: a prepared directory (with its meta.json) or a raw uint16 file."""
+
+    train: Path
+    val: Path | None
+    dtype: str
+    meta: dict[str, Any] | None
+    meta_path: Path | None
+
+
+def token_source(cfg: Config) -> TokenSource:
+    """Resolve data.tokens: a directory must hold meta.json (written by `ddp-train prepare`)."""
+    path = Path(cfg.data.tokens.path or "").expanduser()
+    val = Path(cfg.data.tokens.val_path).expanduser() if cfg.data.tokens.val_path else None
+    if not path.is_dir():
+        return TokenSource(path, val, "uint16", None, None)
+    meta_path = path / "meta.json"
+    meta = read_meta(meta_path)
+    return TokenSource(path / "train.bin", val or path / "val.bin", meta["dtype"], meta, meta_path)
+
+
+def read_meta(meta_path: Path) -> dict[str, Any]:
+    """A prepared directory's meta.json, checked for the fields the trainer uses."""
+    where = str(meta_path)
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(
+            where, "data.tokens.path", "no meta.json: prepare the directory with `ddp-train prepare`"
+        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(where, None, f"unreadable meta.json ({type(exc).__name__}: {exc})") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(where, None, "not a JSON object")
+    if meta.get("dtype") not in _DTYPES:
+        raise ConfigError(where, "dtype", f"{meta.get('dtype')!r} is not one of {', '.join(_DTYPES)}")
+    vocab = meta.get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 2:
+        raise ConfigError(where, "vocab_size", f"{vocab!r} is not an integer >= 2")
+    return meta
+
+
+def resolve_vocab(cfg: Config) -> None:
+    """Before the model is built: take model.gpt.vocab_size from meta.json ('auto') or check it fits."""
+    gpt = cfg.model.gpt
+    uses_tokens = cfg.data.name == "tokens" and cfg.model.name == "gpt"
+    src = token_source(cfg) if uses_tokens else None
+    meta = src.meta if src else None
+    if gpt.vocab_size == "auto":
+        if meta is None:
+            raise ConfigError(
+                "config", "model.gpt.vocab_size", "'auto' needs data.tokens.path to be a prepared directory"
+            )
+        gpt.vocab_size = int(meta["vocab_size"])
+        return
+    if meta is not None and int(gpt.vocab_size) > meta["vocab_size"]:
+        logging.getLogger("ddp_train").warning(
+            "model.gpt.vocab_size %s > %s's vocab_size %s: fine as padding (gpt2's 50304 for 50257), "
+            "wasted rows otherwise",
+            gpt.vocab_size,
+            src.meta_path,
+            meta["vocab_size"],
+        )
+    if meta is not None and int(gpt.vocab_size) < meta["vocab_size"]:
+        need, kind = meta["vocab_size"], meta.get("tokenizer", {}).get("kind", "?")
+        raise ConfigError(
+            str(src.meta_path),
+            "vocab_size",
+            f"{need} (tokenizer {kind}) does not fit model.gpt.vocab_size {gpt.vocab_size} of the config; "
+            f"set it to 'auto' or >= {need}",
+        )
+
+
 def build_dataset(cfg: Config) -> Dataset:
     """The dataset named by cfg.data, shaped for cfg.model."""
     name = cfg.data.name
@@ -130,7 +238,8 @@ def build_dataset(cfg: Config) -> Dataset:
         return SyntheticClassification(cfg.data.synthetic.num_samples, m.in_dim, m.n_classes, cfg.seed)
     if name == "tokens":
         vocab = cfg.model.gpt.vocab_size if cfg.model.name == "gpt" else 65536
-        return TokenFile(str(Path(cfg.data.tokens.path or "").expanduser()), cfg.model.gpt.block_size, vocab)
+        src = token_source(cfg)
+        return TokenFile(str(src.train), cfg.model.gpt.block_size, int(vocab), src.dtype)
     dataset = call_plugin("data.plugin", cfg.data.plugin or "", cfg.data.plugin_args)
     if not (isinstance(dataset, Sized) and hasattr(dataset, "__getitem__")):
         raise ConfigError(
@@ -139,6 +248,28 @@ def build_dataset(cfg: Config) -> Dataset:
             f"{cfg.data.plugin} returned {type(dataset).__name__}, not a map-style Dataset",
         )
     return dataset
+
+
+def build_val_dataset(cfg: Config, train: Dataset) -> Dataset | None:
+    """The validation split matching cfg.data (None: the data has none, e.g. a raw .bin without val_path)."""
+    name, n_val = cfg.data.name, cfg.data.synthetic.val_samples
+    if name == "synthetic" and n_val == 0:
+        return None
+    if name == "synthetic" and cfg.model.name == "gpt":
+        gpt = cfg.model.gpt
+        seed = cfg.seed + VAL_SEED_OFFSET
+        return TokenSequences(markov_tokens(n_val, gpt.block_size + 1, gpt.vocab_size, cfg.seed, seed))
+    if name == "synthetic":
+        assert isinstance(train, SyntheticClassification)
+        return train.held_out(n_val, cfg.seed + VAL_SEED_OFFSET)
+    if name == "tokens":
+        src = token_source(cfg)
+        if src.val is None:
+            return None
+        vocab = int(cfg.model.gpt.vocab_size) if cfg.model.name == "gpt" else 65536
+        field = "data.tokens.val_path" if cfg.data.tokens.val_path else "data.tokens.path"
+        return TokenFile(str(src.val), cfg.model.gpt.block_size, vocab, src.dtype, field)
+    return None  # plug-in data: no val split
 
 
 class ShardedBatches:

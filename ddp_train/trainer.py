@@ -7,6 +7,7 @@ import ctypes
 import gc
 import hashlib
 import logging
+import math
 import os
 import random
 import signal
@@ -14,6 +15,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,8 +25,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_train import checkpoint, distributed, exitcodes
 from ddp_train.config import Config, ConfigError, dump_yaml
 from ddp_train.console import emit_line
-from ddp_train.data import ShardedBatches, build_dataset
+from ddp_train.data import ShardedBatches, build_dataset, build_val_dataset, resolve_vocab
 from ddp_train.distributed import DistEnv
+from ddp_train.evaluate import Evaluator, perplexity
 from ddp_train.metrics import JsonlWriter, ProgressBar, attach_progress_bar, mfu, peak_flops, setup_logging
 from ddp_train.models import build_model, flops_per_token
 from ddp_train.optim import build_optimizer, build_scheduler
@@ -129,6 +132,7 @@ class Trainer:
         if device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
+        resolve_vocab(cfg)  # 'auto' from meta.json, or refuse a model too small for the data, before step 1
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         self.model = build_model(cfg).to(device)
         self.optimizer = build_optimizer(self.model, t, device)
@@ -142,8 +146,17 @@ class Trainer:
         if env.is_main or cfg.debug.dump_indices:
             cfg.run_dir.mkdir(parents=True, exist_ok=True)
         index_log = cfg.run_dir / f"indices-rank{env.rank}.jsonl" if cfg.debug.dump_indices else None
+        train_set = build_dataset(cfg)
+        val_set = build_val_dataset(cfg, train_set) if cfg.eval.interval_steps else None
+        self.evaluator = (
+            Evaluator(val_set, t.batch_size, cfg.eval.batches, env.rank, env.world_size, device)
+            if val_set is not None
+            else None
+        )
+        self.best: dict[str, Any] = {"val_loss": None, "step": None}
+        self._val: dict[int, float] = {}  # val loss of steps whose log record is not written yet
         self.batches = ShardedBatches(
-            build_dataset(cfg),
+            train_set,
             t.batch_size,
             env.rank,
             env.world_size,
@@ -157,6 +170,7 @@ class Trainer:
             random.seed(cfg.seed + env.rank)
         net: nn.Module = torch.compile(self.model) if t.compile else self.model  # raw module stays self.model
         self.ddp: nn.Module = net
+        self.net = net  # evaluated without DDP: no gradient, so no reducer or buffer broadcast needed
         if env.distributed:
             ids = [device.index] if device.type == "cuda" else None
             self.ddp = DDP(net, device_ids=ids, gradient_as_bucket_view=True)
@@ -246,6 +260,7 @@ class Trainer:
         self.batches.load_state_dict(state["data"])
         self.step = self.saved_step = int(state["step"])
         self.last_loss = float(state.get("loss", float("nan")))
+        self.best = dict(state.get("best") or {"val_loss": None, "step": None})
         rngs = state["rng"]
         if state.get("world_size") != self.env.world_size:
             log.warning(
@@ -260,24 +275,63 @@ class Trainer:
             torch.manual_seed(self.cfg.seed + self.env.rank + self.step)
             random.seed(self.cfg.seed + self.env.rank + self.step)
 
+    def _state(self, rngs: list[Any]) -> dict[str, Any]:
+        return {
+            "format": checkpoint.FORMAT,
+            "step": self.step,
+            "loss": self.last_loss,
+            "best": dict(self.best),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+            "data": self.batches.state_dict(),
+            "rng": rngs,
+            "world_size": self.env.world_size,
+            "config": self.cfg.to_dict(),
+            "torch_version": str(torch.__version__),
+        }
+
+    @property
+    def best_path(self) -> Path:
+        """<run dir>/best.pt: beside checkpoints/, so keep_latest_k rotation never sees it."""
+        return self.cfg.run_dir / "best.pt"
+
+    def save_best(self) -> None:
+        """Like save(), to best.pt (atomically), after a new best val loss."""
+        rngs = distributed.all_gather_objects(rng_state(self.device))
+        if self.env.is_main:
+            t0 = time.perf_counter()
+            checkpoint.save_file(self._state(rngs), self.best_path)
+            log.info(
+                "saved %s (val_loss %.4f at step %d) in %.2fs",
+                self.best_path,
+                self.best["val_loss"],
+                self.step,
+                time.perf_counter() - t0,
+            )
+        distributed.wait_for_io(0, self.cfg.checkpoint.io_timeout_s)
+
+    def validate(self) -> float:
+        """Val loss of the current model on every rank's slice (collective); keeps the best."""
+        assert self.evaluator is not None
+        t0 = time.perf_counter()
+        loss = self.evaluator.evaluate(self.net, self.autocast)
+        self._val[self.step] = loss
+        best = self.best.get("val_loss")
+        if math.isfinite(loss) and (best is None or loss < best):
+            self.best = {"val_loss": loss, "step": self.step}
+            if self.cfg.eval.keep_best:
+                self.save_best()
+        if hasattr(self, "_window"):
+            self._window.start += time.perf_counter() - t0  # tokens/s and MFU count training time only
+        return loss
+
     def save(self) -> None:
         """Gather every rank's RNG state; rank 0 writes the checkpoint atomically; all wait for it."""
         rngs = distributed.all_gather_objects(rng_state(self.device))
         if self.env.is_main:
-            state = {
-                "format": checkpoint.FORMAT,
-                "step": self.step,
-                "loss": self.last_loss,
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
-                "data": self.batches.state_dict(),
-                "rng": rngs,
-                "world_size": self.env.world_size,
-                "config": self.cfg.to_dict(),
-                "torch_version": str(torch.__version__),
-            }
+            state = self._state(rngs)
             directory = self.cfg.checkpoint_dir
             t0 = time.perf_counter()
             path = checkpoint.save(state, directory, self.step, self.cfg.debug.save_delay_s)
@@ -372,6 +426,14 @@ class Trainer:
                 )
                 stopped = self._drain()
                 self._pending = current
+                every = cfg.eval.interval_steps
+                if (
+                    self.evaluator
+                    and every
+                    and (self.step % every == 0 or self.step == total)
+                    and not stopped
+                ):
+                    self.validate()
                 interval = cfg.checkpoint.interval_steps
                 if interval and self.step % interval == 0 and self.step < total and not stopped:
                     stopped = self._drain()
@@ -387,6 +449,9 @@ class Trainer:
         finally:
             bar.close()
             writer.close()
+        if self.best.get("step") is not None and env.is_main:
+            where = f" ({self.best_path})" if cfg.eval.keep_best else ""
+            log.info("best val_loss %.4f at step %d%s", self.best["val_loss"], self.best["step"], where)
         if stopped and self.step < total:
             code = 128 + int(stopped)
             log.warning(
@@ -412,7 +477,8 @@ class Trainer:
         window.steps += 1
         self._bar.update(p.step, f"loss {self.last_loss:.4f}")
         stop = StopRequest.decode(stop_v, world)
-        if p.step % cfg.log.interval_steps == 0 or p.step == cfg.train.max_steps or stop:
+        due = p.step % cfg.log.interval_steps == 0 or p.step == cfg.train.max_steps
+        if due or stop or p.step in self._val:
             now = time.perf_counter()
             self._log_step(p, gnorm_v / world, now - window.start, window)
             self._window = _Window(now)
@@ -435,12 +501,23 @@ class Trainer:
         }
         if self.peak:
             record["mfu"] = round(mfu(tok_s, self.flops_per_token, self.peak, world), 5)
+        val_text = ""
+        val = self._val.pop(p.step, None)
+        if val is not None:
+            record["val_loss"] = round(val, 6)
+            val_text = f" val_loss {val:.4f}"
+            if self.cfg.model.name == "gpt" or self.cfg.data.name == "tokens":
+                record["val_ppl"] = round(perplexity(val), 4)
+                val_text += f" val_ppl {record['val_ppl']:.2f}"
+            if self.best.get("val_loss") is not None:
+                record["best_val_loss"] = round(self.best["val_loss"], 6)
         self._writer.write(record)
         log.info(
-            "step %d/%d loss %.4f lr %.3g %.0f tok/s %.3f s/step%s",
+            "step %d/%d loss %.4f%s lr %.3g %.0f tok/s %.3f s/step%s",
             p.step,
             cfg.train.max_steps,
             self.last_loss,
+            val_text,
             p.lr,
             tok_s,
             record["step_time_s"],
