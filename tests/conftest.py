@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,7 +18,7 @@ import pytest
 # polyfill while sys.intern is still the builtin.
 import torch._dynamo.polyfills.sys  # noqa: F401  (must precede any ansible import)
 
-from tests.testbed import Testbed, TestbedError
+from tests.testbed import DEFAULT_NET, DEFAULT_PREFIX, Testbed, TestbedError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -27,6 +30,31 @@ def testbed_missing_reason() -> str | None:
     if not Path("/usr/sbin/sshd").exists() or shutil.which("ip") is None:
         return "needs openssh-server and iproute2 (bash .ci/setup --with-testbed)"
     return None
+
+
+def require_testbed(extra_reason: str | None = None) -> None:
+    """Skip when the testbed cannot be built here; in CI fail, so a broken setup cannot pass as green."""
+    reason = testbed_missing_reason() or extra_reason
+    if reason:
+        if os.environ.get("CI"):
+            pytest.fail(f"testbed unavailable in CI: {reason}")
+        pytest.skip(reason)
+
+
+@contextlib.contextmanager
+def private_testbed(prefix: str, net: str, hosts: int, **up: Any) -> Iterator[Testbed]:
+    """A testbed of the caller's own (`up` takes Testbed.up's options; os= picks the OS of the hosts)."""
+    require_testbed()
+    tb = Testbed(prefix=prefix, net=net, os=up.pop("os", "debian"))
+    try:
+        tb.up(hosts, **up)
+    except TestbedError as e:
+        tb.down()
+        pytest.fail(f"testbed {prefix} up failed: {e}")
+    try:
+        yield tb
+    finally:
+        tb.down()
 
 
 @pytest.fixture(scope="session")
@@ -45,18 +73,5 @@ def testbed():
 
     In CI a missing prerequisite fails instead of skipping, so a broken setup cannot pass as green.
     """
-    reason = testbed_missing_reason()
-    if reason:
-        if os.environ.get("CI"):
-            pytest.fail(f"testbed unavailable in CI: {reason}")
-        pytest.skip(reason)
-    tb = Testbed()
-    try:
-        tb.up(3)
-    except TestbedError as e:
-        tb.down()
-        pytest.fail(f"testbed up failed: {e}")
-    try:
+    with private_testbed(DEFAULT_PREFIX, DEFAULT_NET, 3) as tb:
         yield tb
-    finally:
-        tb.down()

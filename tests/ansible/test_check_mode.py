@@ -3,13 +3,11 @@ nothing (hosts file, firewall, sysctl, venv all as before)."""
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
 
 import tests.conftest as root_conftest
-from tests.testbed import Testbed
 
 pytestmark = pytest.mark.testbed
 
@@ -20,17 +18,8 @@ STATE = "cat /etc/hosts; ls -a /opt; nft list ruleset; cat /proc/sys/net/ipv4/ip
 @pytest.fixture(scope="module")
 def fresh_hosts():
     """Three hosts of this module's own, each hostname on 127.0.1.1 as Debian's installer writes it."""
-    reason = root_conftest.testbed_missing_reason()
-    if reason:
-        if os.environ.get("CI"):
-            pytest.fail(f"testbed unavailable in CI: {reason}")
-        pytest.skip(reason)
-    tb = Testbed(prefix="rxchk", net="10.213.72")
-    try:
-        tb.up(3, loopback_hostname=True)
+    with root_conftest.private_testbed("rxchk", "10.213.72", 3, loopback_hostname=True) as tb:
         yield tb
-    finally:
-        tb.down()
 
 
 def test_check_mode_on_fresh_hosts_changes_nothing(fresh_hosts, playbook):

@@ -27,14 +27,6 @@ SIM = "/var/lib/ddp-sim"
 INVENTORY = ["-i", "inventory/testbed-el9s/hosts.yml", "-i", "molecule/el9-sim/inventory/"]
 
 
-def _require_testbed():
-    reason = root_conftest.testbed_missing_reason()
-    if reason:
-        if os.environ.get("CI"):
-            pytest.fail(f"testbed unavailable in CI: {reason}")
-        pytest.skip(reason)
-
-
 def _recaps(out: str) -> dict[str, int]:
     return {h: int(c) for h, c in re.findall(r"(node\d)\s+: ok=\d+\s+changed=(\d+)", out)}
 
@@ -48,7 +40,7 @@ def _step(out: str, step: str) -> str:
 @pytest.fixture(scope="module")
 def el9(venv_bin):
     """The converged el9-sim hosts (molecule test without its final destroy), destroyed at the end."""
-    _require_testbed()
+    root_conftest.require_testbed()
     env = tool_env(venv_bin)
     start = time.monotonic()
     res = run(
@@ -181,10 +173,7 @@ def test_changing_the_driver_branch_resets_the_stream_and_relocks(el9, playbook)
 
 
 def test_check_mode_on_a_fresh_host_passes_and_changes_nothing(venv_bin, tmp_path):
-    _require_testbed()
-    tb = testbed_mod.Testbed(prefix="el9k", net="10.213.55", os="rocky9")
-    try:
-        tb.up(1, gpus=8, nvswitch=True)
+    with root_conftest.private_testbed("el9k", "10.213.55", 1, os="rocky9", gpus=8, nvswitch=True) as tb:
         state = (
             "rpm -qa | sort; dnf -q module list --enabled 2>&1; "
             "ls -la /etc/yum.repos.d /etc/sysctl.d /boot /opt; cat /etc/hosts; nft list ruleset; "
@@ -199,8 +188,6 @@ def test_check_mode_on_a_fresh_host_passes_and_changes_nothing(venv_bin, tmp_pat
         env["MOLECULE_PROJECT_DIRECTORY"] = str(REPO_ROOT)
         res = run(argv, env, 900, merge=True)
         after = tb.ssh("node0", state).stdout
-    finally:
-        tb.down()
     assert res.returncode == 0, res.stdout[-4000:]
     assert _recaps(res.stdout)["node0"] > 0, "check mode reports what would change"
     assert before == after

@@ -4,7 +4,6 @@ torch into three venvs); it uses the testbed prefix mol and net 10.213.53."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import time
@@ -28,11 +27,7 @@ def _step(out: str, step: str) -> str:
 
 @pytest.mark.timeout(1800)
 def test_molecule_default_scenario(venv_bin):
-    reason = root_conftest.testbed_missing_reason()
-    if reason:
-        if os.environ.get("CI"):
-            pytest.fail(f"testbed unavailable in CI: {reason}")
-        pytest.skip(reason)
+    root_conftest.require_testbed()
     start = time.monotonic()
     res = run([str(venv_bin / "molecule"), "test", "-s", "default"], tool_env(venv_bin), 1700, merge=True)
     minutes = (time.monotonic() - start) / 60

@@ -111,19 +111,8 @@ CASES = {
 @pytest.fixture(scope="module")
 def os_host():
     """One namespace host whose OS identity a test may swap (restored after each test)."""
-    reason = root_conftest.testbed_missing_reason()
-    if reason:
-        pytest.skip(reason)
-    tb = testbed_mod.Testbed(prefix="rxos", net="10.213.73")
-    try:
-        tb.up(1)
-    except testbed_mod.TestbedError as e:
-        tb.down()
-        pytest.fail(f"testbed up failed: {e}")
-    try:
+    with root_conftest.private_testbed("rxos", "10.213.73", 1) as tb:
         yield tb
-    finally:
-        tb.down()
 
 
 def _become(tb: testbed_mod.Testbed, identity: str | None) -> None:

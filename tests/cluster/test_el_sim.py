@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import testbed_missing_reason
+from tests.conftest import private_testbed, require_testbed, testbed_missing_reason
 from tests.testbed import Testbed, el
-from tests.testbed import TestbedError as _TestbedError
 
 pytestmark = pytest.mark.testbed
 
@@ -65,23 +64,12 @@ def sim():
     ]
     if missing and not reason:
         reason = f"needs {', '.join(missing)} (bash .ci/setup --with-testbed)"
-    if reason:
-        if os.environ.get("CI"):
-            pytest.fail(f"EL sim unavailable in CI: {reason}")
-        pytest.skip(reason)
+    require_testbed(reason)
     before = _snapshot()
-    tb = Testbed(prefix=PREFIX, net=NET, os="rocky9")
-    try:
-        tb.up(2, gpus=8, nvswitch=True)
-    except _TestbedError as e:
-        tb.down()
-        pytest.fail(f"EL sim testbed up failed: {e}")
-    tb.real_before = before
-    tb.cache = el.build()
-    try:
+    with private_testbed(PREFIX, NET, 2, os="rocky9", gpus=8, nvswitch=True) as tb:
+        tb.real_before = before
+        tb.cache = el.build()
         yield tb
-    finally:
-        tb.down()
 
 
 def sh(tb: Testbed, host: str, cmd: str, ok: bool = True) -> subprocess.CompletedProcess:

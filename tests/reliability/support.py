@@ -14,15 +14,13 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tests.cluster.test_launch_testbed import Launcher, job_pids
-from tests.conftest import testbed_missing_reason
-from tests.testbed import Testbed, TestbedError
+from tests.conftest import private_testbed, testbed_missing_reason  # noqa: F401 (re-exported)
 
 LAUNCH = str(Path(sys.executable).parent / "ddp-launch")
 # tests.cluster's FINAL knows only testbed names (nodeN); this one takes any inventory host name.
@@ -106,26 +104,6 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):  #
             return value
         time.sleep(interval)
     pytest.fail(f"timed out after {timeout:g}s waiting for {what}")
-
-
-@contextlib.contextmanager
-def private_testbed(prefix: str, net: str, hosts: int) -> Iterator[Testbed]:
-    """A testbed of this module's own (destructive tests must not touch the shared one)."""
-    reason = testbed_missing_reason()
-    if reason:
-        if os.environ.get("CI"):
-            pytest.fail(f"testbed unavailable in CI: {reason}")
-        pytest.skip(reason)
-    tb = Testbed(prefix=prefix, net=net)
-    try:
-        tb.up(hosts)
-    except TestbedError as e:
-        tb.down()
-        pytest.fail(f"testbed {prefix} up failed: {e}")
-    try:
-        yield tb
-    finally:
-        tb.down()
 
 
 # The run every interrupted-and-resumed job is compared with: 30 steps, a checkpoint every 10, decay
