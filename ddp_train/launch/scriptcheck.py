@@ -142,6 +142,8 @@ class _File:
     tree: ast.Module
     ignores: dict[int, set[str]]
     parents: dict[ast.AST, ast.AST]
+    nodes: list[ast.AST]  # the kinds the checks look at, in source order
+    lines: list[str]
 
 
 class _Project:
@@ -195,12 +197,12 @@ class _Project:
                 m = IGNORE.search(text)
                 if m:
                     ignores[i] = {c.strip() for c in m.group(1).split(",") if c.strip()}
-        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
-        return _File(path, shown, tree, ignores, parents)
+        parents, nodes = _index(tree)
+        return _File(path, shown, tree, ignores, parents, nodes, source.splitlines())
 
     def _imports(self, f: _File) -> list[Path]:
         found: list[Path] = []
-        for node in ast.walk(f.tree):
+        for node in f.nodes:
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     found += self._module(alias.name, self.roots)
@@ -274,7 +276,7 @@ class _Project:
 
 def _ignored_span(f: _File, finding: Finding) -> bool:
     """An ignore comment on any line of the statement that holds the finding's line."""
-    for node in ast.walk(f.tree):
+    for node in f.parents:
         end = node.end_lineno or node.lineno if isinstance(node, ast.stmt) else 0
         if end and node.lineno <= finding.line <= end and not isinstance(node, COMPOUND):
             return any(finding.code in f.ignores.get(i, ()) for i in range(node.lineno, end + 1))
@@ -295,6 +297,38 @@ class _Facts:
     set_epoch: bool = False
     saves: list[tuple[_File, ast.Call]] = dataclasses.field(default_factory=list)
     backends: list[tuple[Backend, ast.AST, _File]] = dataclasses.field(default_factory=list)
+
+
+INDEXED = (ast.Call, ast.Subscript, ast.JoinedStr, ast.Constant, ast.Assign, ast.Import, ast.ImportFrom)
+
+
+def _index(tree: ast.Module) -> tuple[dict[ast.AST, ast.AST], list[ast.AST]]:
+    """One pass over the tree (ast.walk is several times slower): every node's parent, and the nodes
+    the checks look at, in source order."""
+    parents: dict[ast.AST, ast.AST] = {}
+    nodes: list[ast.AST] = []
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, INDEXED):
+            nodes.append(node)
+        for field in node._fields:
+            value = getattr(node, field, None)
+            if isinstance(value, list):
+                for child in value:
+                    if isinstance(child, ast.AST) and not isinstance(child, ast.expr_context):
+                        parents[child] = node
+                        stack.append(child)
+            elif isinstance(value, ast.AST) and not isinstance(value, ast.expr_context):
+                parents[value] = node
+                stack.append(value)
+    nodes.sort(key=lambda n: (n.lineno, n.col_offset))  # type: ignore[attr-defined]
+    return parents, nodes
+
+
+def _mentions(f: _File, node: ast.AST, word: str) -> bool:
+    start, end = node.lineno, node.end_lineno or node.lineno  # type: ignore[attr-defined]
+    return any(word in line for line in f.lines[start - 1 : end])
 
 
 def _name(func: ast.AST) -> str:
@@ -330,7 +364,7 @@ def _strings(node: ast.AST) -> set[str]:
 
 
 def _collect(f: _File, facts: _Facts) -> None:
-    for node in ast.walk(f.tree):
+    for node in f.nodes:
         if isinstance(node, ast.Call):
             _call(f, node, facts)
         elif isinstance(node, ast.Subscript):
@@ -343,7 +377,11 @@ def _collect(f: _File, facts: _Facts) -> None:
                 facts.device_choice = True
         elif isinstance(node, ast.Constant) and str(node.value) in ("cuda:", "cuda:%d", "cuda:%s", "cuda:{}"):
             facts.device_choice = True  # "cuda:" + str(i), "cuda:%d" % i, "cuda:{}".format(i)
-        elif isinstance(node, ast.Assign) and not isinstance(node.value, ast.Call):
+        elif (
+            isinstance(node, ast.Assign)
+            and not isinstance(node.value, ast.Call)
+            and _mentions(f, node, "cuda")
+        ):
             for sub in ast.walk(node.value):
                 if _cuda_str(sub) and not isinstance(f.parents.get(sub), ast.Compare):
                     _cuda_use(f, sub, _cuda_str(sub) or "cuda", facts, f"{_src(node.targets[0])} = ...")
@@ -512,7 +550,7 @@ def _is_torch_save(f: _File, node: ast.Call) -> bool:
     if isinstance(func, ast.Name):  # `from torch import save`
         return any(
             isinstance(n, ast.ImportFrom) and n.module == "torch" and any(a.name == "save" for a in n.names)
-            for n in ast.walk(f.tree)
+            for n in f.nodes
         )
     return False
 
@@ -546,7 +584,7 @@ def _guarded(f: _File, node: ast.AST, files: Sequence[_File], depth: int) -> boo
                 return True
             if depth <= 0:
                 return False
-            calls = [(g, c) for g in files for c in ast.walk(g.tree) if _calls(c, cur.name)]
+            calls = [(g, c) for g in files for c in g.nodes if _calls(c, cur.name)]
             return bool(calls) and all(_guarded(g, c, files, depth - 1) for g, c in calls)
         if isinstance(cur, ast.stmt):
             child = cur
