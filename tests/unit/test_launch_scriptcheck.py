@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from ddp_train.launch.cli import _check_backend, main
 from ddp_train.launch.logs import JobLog
@@ -379,3 +380,41 @@ def test_launch_warns_by_default_and_strict_refuses_with_exit_2(tmp_path: Path, 
     (tmp_path / "train.py").write_text(SEED_FIXED)
     code, out, err = run_main([*base, "--strict", "train.py"], capsys)
     assert code == 0 and err == "" and out.count("torchrun") == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the local nodes have GPUs here: nccl is right")
+def test_strict_refuses_nccl_on_nodes_without_gpu_after_preflight_with_exit_3(tmp_path: Path) -> None:
+    """Finding 8 through the console script: local preflight (no torchrun starts), then exit 3."""
+    import socket
+    import subprocess
+    import sys
+
+    (tmp_path / "t.py").write_text("import torch.distributed as dist\ndist.init_process_group('nccl')\n")
+
+    def run() -> subprocess.CompletedProcess:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = str(s.getsockname()[1])
+        launcher = str(Path(sys.executable).parent / "ddp-launch")
+        argv = [
+            launcher,
+            "--hosts",
+            LOCAL_INV,
+            "--master-port",
+            port,
+            "--job-id",
+            "sc-b8",
+            "--strict",
+            "t.py",
+        ]
+        return subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+    res = run()
+    if res.returncode != 3 and "address already in use" in (res.stdout + res.stderr).lower():
+        res = run()
+    assert res.returncode == 3, res.stdout + res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[-2].startswith("t.py:2: backend 'nccl' is hard-coded but local0, local1 have no usable GPU")
+    assert LINE.match(lines[-2]) and "refuses to launch" in lines[-1] and "nothing was started" in lines[-1]
+    assert lines[-2] in (tmp_path / "logs" / "sc-b8" / "launcher.log").read_text()
+    assert not list((tmp_path / "logs" / "sc-b8").glob("local*.log"))  # no node output: nothing ran
