@@ -3,9 +3,11 @@
     ddp-launch [run] --hosts INVENTORY [--config F] [--set k=v ...] [options] [-- trainer args]
     ddp-launch [run] --hosts INVENTORY [--sync DIR] [options] train.py [script args]   (or -m pkg.mod)
     ddp-launch doctor --hosts INVENTORY [options]
+    ddp-launch check-script [--sync DIR] [-m] SCRIPT                  (the script check alone)
 
-Exit codes: 0 ok; 1 a node failed, could not start, or was lost; 2 bad input; 3 preflight failed;
-124 --timeout; 128+N stopped by signal N (130 Ctrl-C, 143 SIGTERM); after a stop every node saved.
+Exit codes: 0 ok; 1 a node failed, could not start, or was lost; 2 bad input (with --strict: a script
+check finding); 3 preflight failed (with --strict: a backend the nodes' GPUs contradict); 124 --timeout;
+128+N stopped by signal N (130 Ctrl-C, 143 SIGTERM); after a stop every node saved.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ if TYPE_CHECKING:  # the heavy modules load only when a command needs them
     from ddp_train.launch.inventory import Node
     from ddp_train.launch.logs import JobLog
     from ddp_train.launch.plan import JobPlan, NodePlan
+    from ddp_train.launch.scriptcheck import Finding, ScriptCheck
     from ddp_train.launch.sync import Manifest
 
 DEFAULT_INVENTORY = "inventory/local"
@@ -32,6 +35,7 @@ EPILOG = """examples:
   ddp-launch --hosts inventory/prod --dry-run -- --extra-trainer-arg
   ddp-launch --hosts inventory/prod --sync . train.py --epochs 3   # your own script, shipped to every node
   ddp-launch --hosts inventory/prod --sync . -m mypkg.train --lr 3e-4
+  ddp-launch check-script train.py                         # the DDP mistakes in a script, nothing runs
 
 exit codes: 0 ok; 1 a node failed, could not start or was lost; 2 bad input; 3 preflight failed;
   124 --timeout; 130 Ctrl-C, 143 SIGTERM (128+N for signal N). A stop lets every rank finish its step
@@ -141,6 +145,12 @@ def _parser(doctor: bool) -> argparse.ArgumentParser:
         "--timeout", type=float, metavar="S", help="stop the job after S seconds, as SIGTERM does (exit 124)"
     )
     job.add_argument("--skip-preflight", action="store_true", help="launch without the preflight checks")
+    job.add_argument(
+        "--strict",
+        action="store_true",
+        help="refuse to launch when the script check finds a mistake: exit 2, or 3 for a backend the "
+        "nodes' GPUs contradict (found by preflight) [ddp_script_check: strict|warn|off, else warn]",
+    )
     job.add_argument("--dry-run", action="store_true", help="print the exact command of every node and exit")
     job.add_argument(
         "--require",
@@ -186,6 +196,8 @@ def _parser(doctor: bool) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of ddp-launch."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "check-script":
+        return _check_script_command(args[1:])
     doctor = bool(args) and args[0] == "doctor"
     if args and args[0] in ("doctor", "run"):
         args = args[1:]
@@ -257,10 +269,12 @@ def _plan(opts: argparse.Namespace, trainer_args: list[str], doctor: bool) -> Jo
     nodes = load_nodes(
         sources, group=opts.group, limit=opts.limit, exclude=opts.exclude, extra_vars=opts.extra_vars
     )
-    manifest, script, script_local = None, None, None
+    manifest, script, script_local, check, mode = None, None, None, None, "warn"
     if not doctor:
         manifest = _scan(opts, nodes)
         script, script_local = _script(opts, manifest)
+        if script:
+            check, mode = _check_script(opts, nodes, manifest, script_local)
         if script and not opts.module and not manifest and script not in required:
             required.append(script)  # not shipped: it must already be the same on every node
     options = Options(
@@ -281,6 +295,8 @@ def _plan(opts: argparse.Namespace, trainer_args: list[str], doctor: bool) -> Jo
         sync=manifest,
         script_local=script_local,
         required=tuple(required),
+        script_check=check,
+        script_check_mode=mode,
     )
     return build_plan(nodes, options)
 
@@ -323,6 +339,72 @@ def _script(opts: argparse.Namespace, manifest: Manifest | None) -> tuple[str | 
     return rel, str(local)
 
 
+def _check_script(
+    opts: argparse.Namespace, nodes: Sequence[Node], manifest: Manifest | None, script_local: str | None
+) -> tuple[ScriptCheck | None, str]:
+    """The script check, before any node is touched: (its result, the mode). --strict refuses here."""
+    from ddp_train.launch.plan import same
+    from ddp_train.launch.scriptcheck import check_script
+
+    mode = "strict" if opts.strict else same(nodes, "ddp_script_check", lambda n: n.script_check)
+    if mode == "off":
+        return None, mode
+    if not script_local:
+        print(f"ddp-launch: script check skipped: {opts.script} is no file on this machine", file=sys.stderr)
+        return None, mode
+    check = check_script(script_local, [manifest.root] if manifest else [])
+    if check.findings and mode == "strict":
+        for f in check.findings:
+            print(f, file=sys.stderr)
+        why = "--strict" if opts.strict else "ddp_script_check: strict"
+        raise LaunchError(f"{_refusal(check.findings, why)}; nothing was started")
+    return check, mode
+
+
+def _refusal(findings: Sequence[Finding], why: str) -> str:
+    codes = ", ".join(dict.fromkeys(f.code for f in findings))
+    return (
+        f"script check: {len(findings)} finding(s) above ({codes}) and {why} refuses to launch; fix them "
+        "as each line says, or silence one with `# ddp-launch: ignore[<code>]` on its line"
+    )
+
+
+def _check_script_command(argv: Sequence[str]) -> int:
+    """`ddp-launch check-script`: the findings, one line each; exit 0 when none, 2 otherwise."""
+    from ddp_train.launch.scriptcheck import check_script
+
+    p = _Parser(
+        prog="ddp-launch check-script",
+        description="Read a training script and the local modules it imports with Python's ast (nothing "
+        "runs) and print each DDP mistake as `file:line: what is wrong; what to write instead`. Exit 0: "
+        "none; 2: findings (or a bad argument). The backend check needs the nodes: it runs at launch.",
+    )
+    p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module (pkg.mod), as torchrun -m")
+    p.add_argument("--sync", metavar="DIR", help="the directory shipped with the script (its modules count)")
+    p.add_argument("script", metavar="SCRIPT")
+    opts = p.parse_args(list(argv))
+    root = Path(opts.sync or ".").expanduser()
+    if opts.sync and not root.is_dir():
+        return _usage(f"--sync {opts.sync}: not a directory")
+    if opts.module:
+        rel = opts.script.replace(".", "/")
+        path = next((root / f for f in (f"{rel}.py", f"{rel}/__main__.py") if (root / f).is_file()), None)
+        if path is None:
+            return _usage(f"-m {opts.script}: no {rel}.py or {rel}/__main__.py under {root.resolve()}")
+    else:
+        path = Path(opts.script).expanduser()
+        if not path.is_file():
+            return _usage(f"{opts.script}: no such file")
+    check = check_script(path, [root] if opts.sync or opts.module else [])
+    for f in check.findings:
+        print(f)
+    if check.findings:
+        print(check.summary(), file=sys.stderr)
+        return EXIT_USAGE
+    print(f"script check: no findings in {', '.join(check.files)}", file=sys.stderr)
+    return 0
+
+
 def _check_config(path: str | None, overrides: Sequence[str]) -> tuple[str | None, list[str]]:
     """Refuse a bad trainer config here, before any node is touched (the trainer checks it again).
 
@@ -351,6 +433,10 @@ def _dry_run(plan: JobPlan) -> int:
 
     where = (f"MASTER_ADDR={plan.master_addr} MASTER_PORT={plan.master_port}" if plan.rdzv == "static"
              else f"c10d rendezvous at {plan.master_addr}:{plan.master_port}")  # fmt: skip
+    if plan.script_check and plan.script_check.findings:
+        for f in plan.script_check.findings:
+            print(f, file=sys.stderr)
+        print(f"ddp-launch: {plan.script_check.summary()}", file=sys.stderr)
     print(f"# job {plan.job_id}: {len(plan.nodes)} nodes, {where}")
     if plan.sync:
         m = plan.sync
@@ -388,6 +474,10 @@ def _launch(plan: JobPlan, opts: argparse.Namespace) -> int:
     try:
         for p in plan.nodes:
             log.note(f"{p.label} ({p.node.where}): {command(p, masked=True)}", console=False)
+        if plan.script_check and plan.script_check.findings:
+            for f in plan.script_check.findings:
+                log.block(str(f))
+            log.note(plan.script_check.summary())
         sessions: dict = {}
         if plan.sync and not _sync(plan, opts, log, sessions):
             for s in sessions.values():
@@ -410,6 +500,10 @@ def _launch(plan: JobPlan, opts: argparse.Namespace) -> int:
                     s.close()
                 return EXIT_PREFLIGHT
             log.note(f"preflight ok on {len(plan.nodes)} nodes")
+            if not _check_backend(plan, report, log):
+                for s in sessions.values():
+                    s.close()
+                return EXIT_PREFLIGHT
         if plan.config:
 
             def ship(p: NodePlan) -> str | None:
@@ -440,6 +534,22 @@ def _launch(plan: JobPlan, opts: argparse.Namespace) -> int:
         return job.run()
     finally:
         log.close()
+
+
+def _check_backend(plan: JobPlan, report: Any, log: JobLog) -> bool:
+    """Finding 8, with preflight's GPU count of every node; False when --strict refuses to launch."""
+    from ddp_train.launch.scriptcheck import backend_findings
+
+    if plan.script_check is None or not plan.script_check.backends:
+        return True
+    gpus = {c.name: int(c.facts.get("gpus") or 0) for c in report.checks if c.facts}
+    found = backend_findings(plan.script_check, gpus)
+    for f in found:
+        log.block(str(f))
+    if found and plan.script_check_mode == "strict":
+        log.note(_refusal(found, "--strict or ddp_script_check: strict") + "; nothing was started")
+        return False
+    return True
 
 
 def _sync(plan: JobPlan, opts: argparse.Namespace, log: JobLog, sessions: dict) -> bool:

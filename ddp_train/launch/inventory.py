@@ -23,6 +23,7 @@ DEFAULT_GROUP = "gpu_nodes"
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_REMOTE_VENV = "/opt/ddp-train/venv"  # the pytorch role's default ddp_venv
 NPROC_WORDS = ("gpu", "cpu", "auto")
+SCRIPT_CHECK_MODES = ("strict", "warn", "off")
 SSH_CONNECTIONS = (
     "ssh",
     "smart",
@@ -73,6 +74,7 @@ class Node:
     network_cidr: str | None = None
     sync_dir: str | None = None  # ddp_sync_dir: the default of --sync
     sync_exclude: tuple[str, ...] = ()  # ddp_sync_exclude: gitignore-style patterns
+    script_check: str = "warn"  # ddp_script_check: strict | warn | off
 
     @property
     def where(self) -> str:
@@ -333,7 +335,17 @@ def _node(loader: Any, variables: Any, host: Any, extra: Mapping[str, Any], wher
         network_cidr=v.text("ddp_network_cidr"),
         sync_dir=v.text("ddp_sync_dir"),
         sync_exclude=_patterns(v, "ddp_sync_exclude"),
+        script_check=_script_check(v),
     )
+
+
+def _script_check(v: _Vars) -> str:
+    value = v.get("ddp_script_check", default="warn")
+    if value is False:  # YAML 1.1 reads an unquoted `off` as false
+        return "off"
+    if not isinstance(value, str) or value not in SCRIPT_CHECK_MODES:
+        raise v.error("ddp_script_check", f"{_short(value)} is not one of strict, warn, off")
+    return value
 
 
 def _patterns(v: _Vars, key: str) -> tuple[str, ...]:

@@ -23,6 +23,7 @@ from typing import Any
 
 from ddp_train.launch.errors import LaunchError
 from ddp_train.launch.inventory import Node
+from ddp_train.launch.scriptcheck import ScriptCheck
 from ddp_train.launch.sync import Manifest, remote_dir
 
 PGID_MARKER = "DDP-LAUNCH-PGID"
@@ -58,6 +59,8 @@ class Options:
     sync: Manifest | None = None  # --sync: the scanned directory every node runs from
     script_local: str | None = None  # the script's resolved path on this machine, when known
     required: Sequence[str] = ()  # files the run needs on every node (relative: to the run's directory)
+    script_check: ScriptCheck | None = None  # what the script check found (None: not checked)
+    script_check_mode: str = "warn"  # strict: findings refuse the launch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +100,8 @@ class JobPlan:
     script_local: str | None = None  # the script on this machine (hook for checks before launch)
     sync: Manifest | None = None  # the synced directory; each node's copy is NodePlan.sync_dir
     required: tuple[str, ...] = ()  # checked on every node by preflight
+    script_check: ScriptCheck | None = None  # the script check's result (the backend is checked later)
+    script_check_mode: str = "warn"
 
     @property
     def master(self) -> NodePlan:
@@ -160,7 +165,8 @@ def build_plan(nodes: Sequence[Node], options: Options) -> JobPlan:
     return JobPlan(job_id=job_id, nodes=plans, master_addr=addr, master_port=port, config=options.config,
                    master_name=master.name, rdzv=rdzv, script=options.script, module=options.module,
                    script_local=options.script_local, sync=options.sync,
-                   required=tuple(options.required))  # fmt: skip
+                   required=tuple(options.required), script_check=options.script_check,
+                   script_check_mode=options.script_check_mode)  # fmt: skip
 
 
 def _c10d_order(

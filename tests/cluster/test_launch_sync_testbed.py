@@ -17,6 +17,7 @@ import pytest
 from tests.cluster.test_launch_embedded import free_port
 from tests.cluster.test_launch_testbed import FINAL, assert_nothing_left, launch, make_inventory
 from tests.testbed import Testbed
+from tests.unit.test_launch_scriptcheck import SEED_FIXED, SEED_STYLE
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 
@@ -233,5 +234,53 @@ def test_seed_script_on_the_embedded_local_inventory(tmp_path: Path, repo_root: 
         code, out = run()
     assert code == 0, out
     assert re.search(r"^ddp-launch: sync: local0: local node, runs in .*/proj$", out, re.M), out
+    finals = re.findall(r"^\[local(\d) r\d\] seed-script: rank=\d world=2 params_sha256=(\w+)$", out, re.M)
+    assert sorted(n for n, _ in finals) == ["0", "1"] and len({s for _, s in finals}) == 1, out
+
+
+def test_seed_style_script_is_refused_by_strict_and_runs_once_fixed_as_the_check_says(
+    testbed: Testbed, project: tuple[Path, Path], tmp_path: Path, repo_root: Path
+) -> None:
+    """The how-to's script (issue 18): --strict names findings 1 and 4 and starts nothing; fixed as the
+    two lines say, it runs on the local inventory and on three testbed hosts with no finding left."""
+    root, inv = project
+    script = root / "my project" / "seed_style.py"
+    script.write_text(SEED_STYLE)
+    try:
+        code, out = launch(
+            ["--hosts", str(inv), "--sync", "my project", "--strict", "my project/seed_style.py"], root
+        )
+        assert code == 2, out
+        found = re.findall(
+            r"^(my project/seed_style\.py):(\d+): (init_process_group|model\.cuda\(\))", out, re.M
+        )
+        assert [(n, w) for _, n, w in found] == [("12", "init_process_group"), ("17", "model.cuda()")], out
+        assert "--strict refuses to launch" in out and "nothing was started" in out and "sync" not in out
+        script.write_text(SEED_FIXED)
+        code, out = launch(["--hosts", str(inv), "--sync", "my project", "--strict", "--job-id", "sy-seedfix",
+                            "my project/seed_style.py"], root)  # fmt: skip
+    finally:
+        script.unlink()
+    assert code == 0, out
+    assert "script check" not in out and "seed_style.py:" not in out
+    finals = SEED_FINAL.findall(out)
+    assert sorted((h, rank, w) for h, _, rank, w, _ in finals) == [("node0", "0", "3"), ("node1", "1", "3"),
+                                                                   ("node2", "2", "3")], out  # fmt: skip
+    assert len({sha for *_, sha in finals}) == 1
+    assert_nothing_left(testbed, "sy-seedfix")
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "train.py").write_text(SEED_FIXED)
+    (proj / "mymodel.py").write_text(HELPER)
+    local = ["--hosts", str(repo_root / "inventory" / "local"), "--strict", "--sync", "proj"]
+
+    def run() -> tuple[int, str]:
+        return launch([*local, "--master-port", str(free_port()), "proj/train.py"], tmp_path)
+
+    code, out = run()
+    if code != 0 and "address already in use" in out.lower():  # another run on this machine took the port
+        code, out = run()
+    assert code == 0, out
     finals = re.findall(r"^\[local(\d) r\d\] seed-script: rank=\d world=2 params_sha256=(\w+)$", out, re.M)
     assert sorted(n for n, _ in finals) == ["0", "1"] and len({s for _, s in finals}) == 1, out
