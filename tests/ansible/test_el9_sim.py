@@ -121,7 +121,11 @@ def test_a_gpu_host_with_a_broken_driver_fails_with_the_reason(case, el9, playbo
         _sh(el9, 0, undo)
     assert res.returncode == 2, res.out[-3000:]
     assert message in res.out, res.out[-3000:]
-    assert _recaps(res.out) == {"node0": 0}, "nothing was changed on the way"
+    rebooted = "RUNNING HANDLER [nvidia_driver : Reboot after the NVIDIA driver change]" in res.out
+    if case == "secure_boot":  # an installed driver that is not loaded: reboot into it first, then say why
+        assert rebooted, res.out[-3000:]
+    else:
+        assert not rebooted and _recaps(res.out) == {"node0": 0}, "nothing was changed on the way"
 
 
 def test_a_booted_kernel_without_the_module_gets_it_rebuilt_and_rebooted(el9, playbook):
@@ -160,8 +164,8 @@ def test_changing_the_driver_branch_resets_the_stream_and_relocks(el9, playbook)
     nvidia = [lock for lock in locks if "nvidia" in lock]
     assert nvidia and all(":575.57.08-" in lock for lock in nvidia), locks
     assert sorted(lock for lock in locks if "nccl" in lock) == [
-        "libnccl-0:2.29.3-1+cuda12.6.*",
-        "libnccl-devel-0:2.29.3-1+cuda12.6.*",
+        "libnccl-0:2.29.3-1+cuda12.9.*",
+        "libnccl-devel-0:2.29.3-1+cuda12.9.*",
     ]
     installed = _sh(el9, 1, "rpm -qa --queryformat '%{NAME}-%{VERSION}\\n' '*nvidia*' | sort").split()
     assert all("-575.57.08" in p for p in installed), installed

@@ -5,6 +5,7 @@ The scripts are read with `ast`, never run: they need neither torch nor a cluste
 
 from __future__ import annotations
 
+import ast
 import re
 import time
 from pathlib import Path
@@ -274,11 +275,17 @@ def test_a_big_project_is_checked_fast(tmp_path: Path) -> None:
     files = {"train.py": "\n".join(f"import mod{i}" for i in range(150)) + "\n"}
     files.update({f"mod{i}.py": body.format(i=i) + f"\nimport mod{(i + 1) % 150}\n" for i in range(150)})
     script = write(tmp_path, files)
+    # Baseline measured in the same run (this machine is noisy): reading and parsing the same files,
+    # the least any ast-based check must do. The check may cost about two parses, not a walk per rule.
+    start = time.monotonic()
+    for path in sorted(tmp_path.glob("*.py")):
+        ast.parse(path.read_text(), str(path))
+    parse = time.monotonic() - start
     start = time.monotonic()
     check = check_script(script)
     took = time.monotonic() - start
     assert len(check.files) == 151 and check.findings == ()
-    assert took < 3, f"{took:.2f}s for 151 files"
+    assert took < 4 * parse + 0.3, f"{took:.2f}s for 151 files (parsing them alone: {parse:.2f}s)"
 
 
 def test_backend_names_the_nodes_that_contradict_it(tmp_path: Path) -> None:
