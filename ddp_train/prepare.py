@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
-import hashlib
 import json
 import multiprocessing
 import os
@@ -72,15 +71,6 @@ def find_sources(specs: list[str]) -> list[Path]:
                 raise ConfigError(spec, "SRC", "no such file or folder, and no .txt/.md/.jsonl file matches")
         found.update(q.resolve() for q in hits)
     return sorted(found)
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of a file, read in 1 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def plan_chunks(paths: list[Path], val_paths: set[Path], chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:
@@ -317,7 +307,7 @@ def prepare(
         "val_split": {"files": [str(p) for p in held_out]} if held_out else {"fraction": val_fraction},
         "chunk_bytes": chunk_bytes,
         "sources": [
-            {"path": str(p), "bytes": p.stat().st_size, "sha256": file_sha256(p), "split": split}
+            {"path": str(p), "bytes": p.stat().st_size, "sha256": tokenizers_.file_sha256(p), "split": split}
             for p, split in [(p, "train+val" if val_fraction else "train") for p in train_paths]
             + [(p, "val") for p in held_out]
         ],

@@ -6,6 +6,7 @@ is ever fetched from a hub: a tokenizer is either built here or read from a file
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterable
@@ -74,12 +75,11 @@ class HFTokenizer:
         return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind, "file": self.path.name, "sha256": _sha256(self.path)}
+        return {"kind": self.kind, "file": self.path.name, "sha256": file_sha256(self.path)}
 
 
-def _sha256(path: Path) -> str:
-    import hashlib
-
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, read in 1 MiB blocks (prepare's source hashes use it too)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
