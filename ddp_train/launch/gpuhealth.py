@@ -325,10 +325,13 @@ def judge(raw: dict[str, Any] | None, whole_gpus: bool = True, torch_gpus: int =
         return h
     h.checked = True
     code, out, fields = raw.get("query") or [None, "", list(FIELDS)]
-    if code != 0:
-        h.failures.append(_smi_failure(code, out))
-        return h
     rows = parse_csv(out, fields)
+    if (
+        code != 0
+    ):  # with rows: one GPU unreadable ("Unable to determine the device handle ..."), the rest judged
+        h.failures.append(_smi_failure(code, out, rows))
+        if not rows:
+            return h
     if not rows:
         h.warnings.append("nvidia-smi lists no GPU")
         return h
@@ -352,7 +355,9 @@ def judge(raw: dict[str, Any] | None, whole_gpus: bool = True, torch_gpus: int =
     return h
 
 
-def _smi_failure(code: Any, out: str) -> str:
+def _smi_failure(code: Any, out: str, rows: Sequence[dict] = ()) -> str:
+    if rows:  # the lines that are not GPU rows say what went wrong
+        out = "\n".join(ln for ln in out.splitlines() if ln.count(",") + 1 != len(rows[0]))
     text = one_line(out.strip(), 200) or f"exit {code}"
     if NO_DRIVER in out:
         return (

@@ -73,7 +73,7 @@ def test_healthy_h100x8_passes_with_nothing_to_say(node):
 
 
 def test_the_probe_carries_the_collector_and_its_flags():
-    assert PROBE.endswith(gpuhealth.COLLECT)
+    assert gpuhealth.COLLECT in PROBE
     assert gpuhealth.probe_args("strict", False) == []
     assert gpuhealth.probe_args("warn", True) == ["--gpu-health-dcgm"]
     assert gpuhealth.probe_args("off", True) == ["--gpu-health-off"]
@@ -208,6 +208,22 @@ def test_nvidia_smi_without_the_driver_fails_the_node_in_one_line(node):
     ]
 
 
+def test_one_unreadable_gpu_fails_the_node_and_the_others_are_still_judged(node):
+    raw = collect(*node)
+    rows = raw["query"][1].splitlines()
+    rows[7] = "Unable to determine the device handle for GPU0000:DB:00.0: Unknown Error"
+    rows[2] = rows[2].replace(", Disabled, 0, ", ", Enabled, 0, ")  # GPU 2: MIG on
+    raw["query"] = [15, "\n".join(rows), raw["query"][2]]
+    h = gpuhealth.judge(raw)
+    assert h.failures == [
+        "nvidia-smi failed (exit 15): Unable to determine the device handle for GPU0000:DB:00.0: "
+        "Unknown Error",
+        "GPU 2 (00000000:3A:00.0): MIG mode is on but the job uses whole GPUs (NCCL does not run across MIG "
+        "instances); fix: nvidia-smi -i 2 -mig 0, then reset the GPU",
+    ]
+    assert len(h.gpus) == 7
+
+
 def test_kernel_log_denied_falls_back_to_journalctl_then_warns(node):
     rec = node[1]
     shutil.copy(LOGS / "dmesg-denied.txt", rec / "dmesg.txt")
@@ -289,3 +305,17 @@ def test_inventory_vars(tmp_path: Path):
         inv.write_text(f"all:\n  hosts:\n    a: {{{bad}}}\n")
         with pytest.raises(LaunchError, match=f"host a: {bad.split(':')[0]}: .*{message}"):
             load_nodes([str(inv)])
+
+
+def test_nvswitches_before_hopper_need_an_active_fabric_manager(node):
+    q = node[1] / "q.txt"
+    q.write_text(
+        q.read_text().replace(": Completed", ": N/A").replace(": Success", ": N/A")
+    )  # A100: no state
+    raw = {**collect(*node), "nvswitches": 6, "fm_service": [3, "inactive\n"]}
+    h = gpuhealth.judge(raw)
+    assert h.failures == [
+        "6 NVSwitches but nvidia-fabricmanager is inactive: systemctl enable --now nvidia-fabricmanager "
+        "(its version must equal the driver's)"
+    ]
+    assert gpuhealth.judge({**raw, "fm_service": [0, "active\n"]}).failures == []
