@@ -489,15 +489,29 @@ def _judge_dcgm(raw: dict, h: Health) -> None:
 # ---- hooks into preflight and doctor ----------------------------------------------------------
 
 
+def _nproc(c: Any) -> str:
+    argv = c.plan.argv
+    return argv[argv.index("--nproc-per-node") + 1] if "--nproc-per-node" in argv else c.plan.node.nproc
+
+
+def verdict(c: Any) -> Health:
+    """The verdict over a probed node (a preflight.NodeCheck); CPU jobs (--nproc-per-node cpu) may
+    run on GPUs in MIG mode."""
+    raw = c.facts.get("gpu_health")
+    return judge(raw, whole_gpus=_nproc(c) != "cpu", torch_gpus=c.facts.get("gpus") or 0)
+
+
+def strict(c: Any) -> bool:
+    """Whether the node's GPU problems fail preflight (ddp_gpu_health: strict, and a GPU job)."""
+    return c.plan.node.gpu_health == "strict" and _nproc(c) != "cpu"
+
+
 def check(c: Any) -> None:
-    """Preflight: judge a probed node (a preflight.NodeCheck) and add its failures and warnings."""
-    node, argv = c.plan.node, c.plan.argv
-    nproc = argv[argv.index("--nproc-per-node") + 1] if "--nproc-per-node" in argv else node.nproc
-    health = judge(c.facts.get("gpu_health"), whole_gpus=nproc != "cpu", torch_gpus=c.facts.get("gpus") or 0)
-    c.facts["gpu_health_verdict"] = health
-    strict = getattr(node, "gpu_health", "strict") == "strict" and nproc != "cpu"
+    """Preflight: add a probed node's GPU failures and warnings (failures only warn with
+    ddp_gpu_health: warn, or for a CPU job)."""
+    health = verdict(c)
     for line in health.failures:
-        (c.fail if strict else c.warnings.append)(line)
+        (c.fail if strict(c) else c.warnings.append)(line)
     c.warnings.extend(health.warnings)
 
 
@@ -507,8 +521,10 @@ def render(checks: Sequence[Any]) -> str | None:
 
     rows = []
     for c in checks:
-        h: Health | None = c.facts.get("gpu_health_verdict")
-        if h is None or not h.checked:
+        if not c.facts:
+            continue
+        h = verdict(c)
+        if not h.checked:
             continue
         gpus = [g for g in h.gpus if g.index != "?"]
         bad = sum(1 for g in h.gpus if g.problems)
@@ -525,7 +541,7 @@ def render(checks: Sequence[Any]) -> str | None:
                 count("mig.mode.current", "enabled"),
                 h.fabric or "n/a",
                 h.xids,
-                "ok" if not h.failures else f"FAIL ({bad or len(h.failures)})",
+                "ok" if not h.failures else f"{'FAIL' if strict(c) else 'warn'} ({bad or len(h.failures)})",
             ]
         )
     if not rows:

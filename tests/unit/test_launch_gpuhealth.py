@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -319,3 +320,21 @@ def test_nvswitches_before_hopper_need_an_active_fabric_manager(node):
         "(its version must equal the driver's)"
     ]
     assert gpuhealth.judge({**raw, "fm_service": [0, "active\n"]}).failures == []
+
+
+@pytest.mark.parametrize(
+    "mode,nproc,fails,status",
+    [("strict", "8", 1, "FAIL (1)"), ("warn", "8", 0, "warn (1)"), ("strict", "cpu", 0, "warn (1)")],
+)
+def test_check_and_doctor_row_follow_ddp_gpu_health_and_the_job(node, mode, nproc, fails, status):
+    edit(node[1], "query-gpu.csv", 3, ecc__errors__uncorrected__volatile__total="2")
+    plan = SimpleNamespace(
+        argv=["torchrun", "--nproc-per-node", nproc], node=SimpleNamespace(gpu_health=mode)
+    )
+    c = SimpleNamespace(name="n1", plan=plan, facts={"gpus": 0, "gpu_health": collect(*node)}, failures=[])
+    c.warnings, c.fail = [], c.failures.append
+    gpuhealth.check(c)
+    assert (len(c.failures), len(c.warnings)) == (fails, 1 - fails)
+    assert gpuhealth.render([c]).splitlines()[1].split()[-2:] == status.split()
+    cpu_node = SimpleNamespace(plan=plan, facts={"gpus": 0, "gpu_health": {"driver": False, "smi": None}})
+    assert gpuhealth.render([cpu_node]) is None
