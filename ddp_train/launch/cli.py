@@ -456,6 +456,10 @@ def _doctor(plan: JobPlan, opts: argparse.Namespace) -> int:
         s.close()
     print(f"MASTER_ADDR={plan.master_addr} MASTER_PORT={plan.master_port} nodes={len(plan.nodes)}")
     print(report.render())
+    from ddp_train.launch.gpuhealth import render as gpu_table
+
+    if gpus := gpu_table(report.checks):  # GPU nodes only; their problems are in the lines above
+        print(gpus)
     if report.ok:
         print("preflight: all checks passed")
         return 0

@@ -24,6 +24,7 @@ DEFAULT_MASTER_PORT = 29500
 DEFAULT_REMOTE_VENV = "/opt/ddp-train/venv"  # the pytorch role's default ddp_venv
 NPROC_WORDS = ("gpu", "cpu", "auto")
 SCRIPT_CHECK_MODES = ("strict", "warn", "off")
+GPU_HEALTH_MODES = ("strict", "warn", "off")
 SSH_CONNECTIONS = (
     "ssh",
     "smart",
@@ -75,6 +76,8 @@ class Node:
     sync_dir: str | None = None  # ddp_sync_dir: the default of --sync
     sync_exclude: tuple[str, ...] = ()  # ddp_sync_exclude: gitignore-style patterns
     script_check: str = "warn"  # ddp_script_check: strict | warn | off
+    gpu_health: str = "strict"  # ddp_gpu_health: strict | warn | off (launch/gpuhealth.py)
+    gpu_health_dcgm: bool = False  # ddp_gpu_health_dcgm: also run `dcgmi diag -r 1`
 
     @property
     def where(self) -> str:
@@ -336,6 +339,8 @@ def _node(loader: Any, variables: Any, host: Any, extra: Mapping[str, Any], wher
         sync_dir=v.text("ddp_sync_dir"),
         sync_exclude=_patterns(v, "ddp_sync_exclude"),
         script_check=_script_check(v),
+        gpu_health=_gpu_health(v),
+        gpu_health_dcgm=_flag(v, "ddp_gpu_health_dcgm"),
     )
 
 
@@ -345,6 +350,22 @@ def _script_check(v: _Vars) -> str:
         return "off"
     if not isinstance(value, str) or value not in SCRIPT_CHECK_MODES:
         raise v.error("ddp_script_check", f"{_short(value)} is not one of strict, warn, off")
+    return value
+
+
+def _gpu_health(v: _Vars) -> str:
+    value = v.get("ddp_gpu_health", default="strict")
+    if value is False:  # YAML 1.1 reads an unquoted `off` as false
+        return "off"
+    if not isinstance(value, str) or value not in GPU_HEALTH_MODES:
+        raise v.error("ddp_gpu_health", f"{_short(value)} is not one of strict, warn, off")
+    return value
+
+
+def _flag(v: _Vars, key: str) -> bool:
+    value = v.get(key, default=False)
+    if not isinstance(value, bool):
+        raise v.error(key, f"expected true or false, got {_short(value)}")
     return value
 
 

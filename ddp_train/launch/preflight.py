@@ -19,6 +19,7 @@ import shlex
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from ddp_train.launch import gpuhealth
 from ddp_train.launch.errors import LaunchError, one_line
 from ddp_train.launch.logs import table
 from ddp_train.launch.plan import JobPlan, NodePlan, resolve
@@ -109,6 +110,7 @@ except Exception as e:
     r["ddp_train_error"] = "%s: %s" % (type(e).__name__, e)
 print("DDP-PROBE " + json.dumps(r), flush=True)
 """
+PROBE += gpuhealth.COLLECT  # GPU health facts in the same round trip (its own output line)
 
 # Listens on MASTER_PORT (master only) and on an ephemeral port; answers each connection with a token.
 LISTENER = r"""
@@ -295,6 +297,8 @@ def run_preflight(
     _compare_patch_level(checks)
     for c in checks:
         _check_node_facts(c, plan)
+        if c.facts:
+            gpuhealth.check(c)
     _check_files(plan, checks)
     _check_network(plan, checks, net_timeout)
     return Report(checks=checks)
@@ -319,7 +323,10 @@ def _probe(c: NodeCheck, connect_timeout: float) -> None:
         return
     python = f"{node.venv.rstrip('/')}/bin/python"
     try:
-        code, out = c.session.exec(python_command(c.plan, PROBE, node.venv, node.workdir or ""), timeout=120)
+        gpu_args = gpuhealth.probe_args(node.gpu_health, node.gpu_health_dcgm)
+        code, out = c.session.exec(
+            python_command(c.plan, PROBE, node.venv, node.workdir or "", *gpu_args), timeout=120
+        )
     except RemoteError as e:
         c.fail(f"probe failed: {str(e).split(': ', 1)[-1]}")
         return
@@ -333,6 +340,7 @@ def _probe(c: NodeCheck, connect_timeout: float) -> None:
         return
     c.facts = json.loads(found[-1][len(PROBE_MARK) :])
     c.facts["python_minor"] = ".".join(str(c.facts.get("python", "")).split(".")[:2])
+    c.facts["gpu_health"] = gpuhealth.parse_probe_output(out)
     if code != 0:
         c.warnings.append(f"probe exited {code}")
 

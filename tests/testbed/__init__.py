@@ -172,10 +172,13 @@ class Testbed:
         gpus: int = 8,
         nvswitch: bool = False,
         gpu_model: str = "h100",
+        usr_local: bool = False,
     ) -> list[Host]:
         """Create n hosts (tearing down a previous testbed of this prefix first).
 
         gpus, nvswitch and gpu_model describe the simulated hardware of EL sim hosts (os="rocky9").
+        usr_local: Debian hosts also get an overlay over /usr/local, so a test can put fakes (a recorded
+        nvidia-smi) in /usr/local/bin, which is first on the hosts' PATH (EL hosts overlay all of /usr).
         """
         if not 1 <= n <= 200:
             raise TestbedError(f"host count must be 1..200, got {n}")
@@ -195,6 +198,7 @@ class Testbed:
             except el.SimError as e:
                 raise TestbedError(f"EL sim: {e}") from e
         self._hw = {"gpus": gpus, "nvswitch": nvswitch, "gpu_model": gpu_model}
+        self._usr_local = usr_local
         self.down()
         keys = self.key_file.parent
         keys.mkdir(parents=True, exist_ok=True)
@@ -263,7 +267,7 @@ SetEnv PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
         (d / "hostname").write_text(h.name + "\n")
 
         setup = []
-        overlay_dirs = OVERLAY_DIRS
+        overlay_dirs = OVERLAY_DIRS + (("/usr/local",) if self._usr_local else ())
         if self.os == "rocky9":
             from . import el
 

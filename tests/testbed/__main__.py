@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--gpus", type=int, default=8, help="simulated NVIDIA GPUs per rocky9 host (0-8)")
     up.add_argument("--gpu-model", choices=("h100", "h200"), default="h100")
     up.add_argument("--nvswitch", action="store_true", help="rocky9 hosts also get 4 simulated NVSwitches")
+    up.add_argument(
+        "--usr-local", action="store_true", help="debian hosts: an overlay over /usr/local too (for fakes)"
+    )
     sub.add_parser("down", help="kill the hosts' processes and delete their namespaces")
     sub.add_parser("status", help="list the hosts and their process counts")
     args = p.parse_args(argv)
@@ -43,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
                 gpus=args.gpus,
                 nvswitch=args.nvswitch,
                 gpu_model=args.gpu_model,
+                usr_local=args.usr_local,
             )
             for h in hosts:
                 print(f"{h.name} {h.ip} netns={h.netns}")
