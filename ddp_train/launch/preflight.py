@@ -19,6 +19,7 @@ import shlex
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from ddp_train.launch import netif
 from ddp_train.launch.errors import LaunchError, one_line
 from ddp_train.launch.logs import table
 from ddp_train.launch.plan import JobPlan, NodePlan, resolve
@@ -254,6 +255,8 @@ class Report:
                     f.get("nccl"),
                     f.get("gpus"),
                     f.get("ddp_train"),
+                    f.get("iface"),
+                    f.get("iface_addr"),
                     status,
                 ]
             )
@@ -267,6 +270,8 @@ class Report:
             "NCCL",
             "GPUS",
             "DDP_TRAIN",
+            "IFACE",
+            "ADDRESS",
             "PREFLIGHT",
         ]
         lines = [table(head, rows)]
@@ -295,6 +300,7 @@ def run_preflight(
     _compare_patch_level(checks)
     for c in checks:
         _check_node_facts(c, plan)
+    netif.check(plan, checks)
     _check_files(plan, checks)
     _check_network(plan, checks, net_timeout)
     return Report(checks=checks)
@@ -319,7 +325,9 @@ def _probe(c: NodeCheck, connect_timeout: float) -> None:
         return
     python = f"{node.venv.rstrip('/')}/bin/python"
     try:
-        code, out = c.session.exec(python_command(c.plan, PROBE, node.venv, node.workdir or ""), timeout=120)
+        args = netif.probe_argv(node.network_cidr)  # the interfaces: same round trip
+        cmd = python_command(c.plan, PROBE + netif.PROBE, node.venv, node.workdir or "", *args)
+        code, out = c.session.exec(cmd, timeout=120)
     except RemoteError as e:
         c.fail(f"probe failed: {str(e).split(': ', 1)[-1]}")
         return
@@ -332,6 +340,7 @@ def _probe(c: NodeCheck, connect_timeout: float) -> None:
         c.fail(f"{python} failed: {last}")
         return
     c.facts = json.loads(found[-1][len(PROBE_MARK) :])
+    c.facts["netif"] = netif.parse_probe(out)
     c.facts["python_minor"] = ".".join(str(c.facts.get("python", "")).split(".")[:2])
     if code != 0:
         c.warnings.append(f"probe exited {code}")
@@ -546,9 +555,12 @@ def _check_network(plan: JobPlan, checks: list[NodeCheck], timeout: float) -> No
 
 
 def _addresses(plan: JobPlan, checks: list[NodeCheck]) -> dict[str, str]:
-    """The IP each node is reached at by its peers: its inventory address, resolved here."""
+    """The IP each node is reached at by its peers: its training address, else its inventory address."""
     out = {}
     for c in checks:
+        if c.facts.get("iface_addr"):  # what gloo/NCCL will connect to (netif)
+            out[c.name] = c.facts["iface_addr"]
+            continue
         try:
             ip = resolve(c.plan.node.address)
         except LaunchError as e:
