@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import DEFAULT_NET, DEFAULT_PREFIX, OS_CHOICES, Testbed, TestbedError
+from . import DEFAULT_NET, DEFAULT_PREFIX, DEFAULT_TRAIN_IFNAMES, OS_CHOICES, Testbed, TestbedError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,11 +31,28 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--gpus", type=int, default=8, help="simulated NVIDIA GPUs per rocky9 host (0-8)")
     up.add_argument("--gpu-model", choices=("h100", "h200"), default="h100")
     up.add_argument("--nvswitch", action="store_true", help="rocky9 hosts also get 4 simulated NVSwitches")
+    up.add_argument(
+        "--train-net",
+        metavar="A.B.C",
+        help="a second /24 for training interfaces named per host, plus a decoy aaa0 (ddp_network_cidr)",
+    )
+    up.add_argument(
+        "--train-ifnames",
+        default=",".join(DEFAULT_TRAIN_IFNAMES),
+        metavar="A,B,...",
+        help=f"the training interface name of node0, node1, ... in turn [{','.join(DEFAULT_TRAIN_IFNAMES)}]",
+    )
     sub.add_parser("down", help="kill the hosts' processes and delete their namespaces")
     sub.add_parser("status", help="list the hosts and their process counts")
     args = p.parse_args(argv)
     try:
-        tb = Testbed(prefix=args.prefix, net=args.net, os=getattr(args, "os", "debian"))
+        tb = Testbed(
+            prefix=args.prefix,
+            net=args.net,
+            os=getattr(args, "os", "debian"),
+            train_net=getattr(args, "train_net", None),
+            train_ifnames=tuple(getattr(args, "train_ifnames", ",".join(DEFAULT_TRAIN_IFNAMES)).split(",")),
+        )
         if args.cmd == "up":
             hosts = tb.up(
                 args.n,
@@ -45,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
                 gpu_model=args.gpu_model,
             )
             for h in hosts:
-                print(f"{h.name} {h.ip} netns={h.netns}")
+                train = f" training {h.train_dev} {h.train_ip}" if h.train_dev else ""
+                print(f"{h.name} {h.ip} netns={h.netns}{train}")
             print(f"inventory: {tb.inventory}")
             print(f"ssh: ssh -F {tb.ssh_config} node0")
         elif args.cmd == "down":
