@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.ansible.conftest import run, tool_env
 from tests.cluster.test_launch_testbed import FINAL, Launcher, launch, make_inventory
-from tests.conftest import private_testbed
+from tests.conftest import REPO_ROOT, VENV_BIN, private_testbed
 from tests.testbed import Testbed
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
@@ -58,18 +59,18 @@ def run_and_sample(tb: Testbed, root: Path, job: str, extra: list[str]) -> tuple
     config = root / "train.yaml"
     config.write_text("train:\n  max_steps: 30\nrun:\n  dir: runs-nic\n")
     args = ["--hosts", str(inv), "--job-id", job, "--config", str(config), "--set", "debug.step_delay_s=0.2"]
-    run = Launcher([*args, *extra], root)
+    job_run = Launcher([*args, *extra], root)
     try:
-        run.wait_for(r"INFO step 10/30", timeout=120)
+        job_run.wait_for(r"INFO step 10/30", timeout=120)
         time.sleep(0.5)
         sample = connections(tb)
-        code = run.wait(120)
+        code = job_run.wait(120)
     finally:
-        run.stop()
-    assert code == 0, run.text
-    finals = [FINAL.match(ln) for ln in run.lines if FINAL.match(ln)]
-    assert len(finals) == 3 and len({m.group(6) for m in finals}) == 1, run.text
-    return run.text, sample
+        job_run.stop()
+    assert code == 0, job_run.text
+    finals = [FINAL.match(ln) for ln in job_run.lines if FINAL.match(ln)]
+    assert len(finals) == 3 and len({m.group(6) for m in finals}) == 1, job_run.text
+    return job_run.text, sample
 
 
 def gloo_pairs(sample: list) -> set[frozenset[str]]:
@@ -128,3 +129,45 @@ def test_no_address_or_two_interfaces_in_the_cidr_fail_preflight_naming_them(
         r"^FAIL node2: no interface has an address in ddp_network_cidr 10.213.99.0/24 \(found: "
         rf".*eth0 {node2.ip}/24.*enp65s0f1 {node2.train_ip}/24.*aaa0 172.17.0.1/16", out, re.M
     ), out  # fmt: skip
+
+
+def test_the_nccl_role_writes_each_nodes_interface_into_nccl_conf(tb: Testbed, tmp_path: Path) -> None:
+    """Exact names per node, the admin's other lines kept, idempotent, check mode changes nothing."""
+    hosts = tb.hosts()
+    tb.exec(hosts[0], "printf '# admin\\nNCCL_DEBUG=WARN\\n' > /etc/nccl.conf")
+    play = str(REPO_ROOT / "tests" / "ansible" / "playbooks" / "nccl_conf.yml")
+    env = tool_env(VENV_BIN, tmp_path / "facts")
+
+    def playbook(*args: str) -> tuple[int, str]:
+        res = run(
+            [str(VENV_BIN / "ansible-playbook"), "-i", str(tb.inventory), play, *args], env, timeout=300
+        )
+        return res.returncode, res.stdout + res.stderr
+
+    code, out = playbook()
+    assert code == 0, out[-3000:]
+    for h in hosts:
+        want = f"NCCL_SOCKET_IFNAME=={h.train_dev}\n"
+        assert (
+            tb.exec(h, "cat /etc/nccl.conf").stdout
+            == ("# admin\nNCCL_DEBUG=WARN\n" if h is hosts[0] else "") + want
+        )
+    code, out = playbook()
+    assert code == 0 and set(re.findall(r"changed=(\d+)", out)) == {"0"}, out[-3000:]
+
+    # check mode changes nothing; two interfaces in the CIDR fail with one line naming them
+    tb.exec(hosts[1], f"ip addr add {TRAIN_NET}.99/24 dev aaa0")
+    try:
+        code, out = playbook("--check", "-e", '{"nccl_conf": {"NCCL_IB_HCA": "=mlx5_0"}}')
+    finally:
+        tb.exec(hosts[1], f"ip addr del {TRAIN_NET}.99/24 dev aaa0")
+    assert code == 2, out[-3000:]
+    assert (
+        f"node1: 2 interfaces have addresses in nccl_network_cidr {TRAIN_NET}.0/24 "
+        f"(train0 {hosts[1].train_ip}/24, aaa0 {TRAIN_NET}.99/24); NCCL needs one."
+    ) in out, out[-3000:]
+    assert re.findall(r"(node\d) +: ok=\d+ +changed=(\d+) .*failed=(\d+)", out) == [
+        ("node0", "1", "0"), ("node1", "0", "1"), ("node2", "1", "0"),
+    ], out[-3000:]  # fmt: skip
+    for h in hosts:
+        assert "NCCL_IB_HCA" not in tb.exec(h, "cat /etc/nccl.conf").stdout
