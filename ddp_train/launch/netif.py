@@ -151,7 +151,7 @@ def choose(cidr: str, probe: Mapping[str, Any]) -> Choice:
     inside = [a for a in found if a.address.split("%")[0] in _Within(net)]
     devs = list(dict.fromkeys(a.dev for a in inside))
     if not devs:
-        others = [str(a) for a in found if a.dev != "lo"]
+        others = [str(a) for a in found if a.dev != "lo" and _shown(a.address, net)]
         raise NetifError(
             f"no interface has an address in ddp_network_cidr {cidr} (found: {', '.join(others) or 'none'}); "
             "give the node an address in the training network or fix ddp_network_cidr"
@@ -175,6 +175,15 @@ def choose(cidr: str, probe: Mapping[str, Any]) -> Choice:
     if not pick.up:
         raise NetifError(f"interface {pick} (in ddp_network_cidr {cidr}) is down")
     return Choice(dev=dev, address=pick.address, prefixlen=pick.prefixlen)
+
+
+def _shown(address: str, net: ipaddress.IPv4Network | ipaddress.IPv6Network) -> bool:
+    """Worth naming when no address is in `net`: the same family, not link-local."""
+    try:
+        ip = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return False
+    return ip.version == net.version and not ip.is_link_local
 
 
 class _Within:

@@ -60,7 +60,7 @@ def test_no_address_in_the_cidr_names_what_the_node_has() -> None:
         "bond0.100 10.10.0.99",
     ):
         assert shown in msg
-    assert "127.0.0.1" not in msg and "\n" not in msg
+    assert "127.0.0.1" not in msg and "fe80" not in msg and "fd00" not in msg and "\n" not in msg
 
 
 def test_two_interfaces_in_the_cidr_fail_with_both_named() -> None:
