@@ -29,13 +29,16 @@ from ddp_train.launch.plan import JobPlan, NodePlan
 MARK = "DDP-NETIF "
 ENV_KEYS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
-# Appended to preflight's probe (the node's python, same SSH round trip); argv after the probe's own two:
-# ddp_network_cidr and a JSON list of addresses in it to ask the route for (the first one not the node's).
+# Appended to preflight's probe (the node's python, same SSH round trip). Its arguments follow the flag
+# --netif anywhere after the probe's own two (other probe parts take flags there too): ddp_network_cidr
+# and a JSON list of addresses in it to ask the route for (the first one not the node's).
 PROBE = r"""
 def _ddp_netif(argv):
     import ipaddress, json, os, shutil, subprocess
-    if len(argv) < 2 or not argv[0]:
+    if "--netif" not in argv[:-2]:
         return None
+    at = argv.index("--netif")
+    targets = json.loads(argv[at + 2])  # argv[at + 1]: the CIDR, for a reader of `ps`
     ipbin = shutil.which("ip") or next(
         (p for p in ("/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip") if os.access(p, os.X_OK)), None)
     if not ipbin:
@@ -50,7 +53,7 @@ def _ddp_netif(argv):
     try:
         r["addr"] = ip_json("addr", "show")
         own = {a.get("local") for i in r["addr"] for a in i.get("addr_info", [])}
-        target = next((t for t in json.loads(argv[1]) if t not in own), None)
+        target = next((t for t in targets if t not in own), None)
         if target:
             r["route_to"] = target
             r["route"] = ip_json("route", "get", target)
@@ -96,16 +99,16 @@ def network(cidr: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
 
 
 def probe_argv(cidr: str | None) -> list[str]:
-    """The arguments PROBE takes: none without a CIDR (it then prints nothing)."""
+    """The arguments PROBE takes (after the probe's own): none without a CIDR (it then prints nothing)."""
     if not cidr:
         return []
     try:
         net = network(cidr)
     except NetifError:
-        return [cidr, "[]"]  # the node reports its addresses; the choice names the bad CIDR
+        return ["--netif", cidr, "[]"]  # the node reports its addresses; the choice names the bad CIDR
     # `ip route get` to an address in the CIDR that is not the node's: any will do (no packet is sent)
     targets = [net[-2], net[1], net[2]] if net.num_addresses >= 4 else list(net)
-    return [cidr, json.dumps([str(t) for t in targets])]
+    return ["--netif", cidr, json.dumps([str(t) for t in targets])]
 
 
 def parse_probe(output: str) -> dict[str, Any] | None:

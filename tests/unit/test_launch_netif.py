@@ -97,8 +97,10 @@ def test_probe_errors_and_bad_cidr_are_one_line() -> None:
 
 def test_the_probe_snippet_runs_after_the_preflight_probe_and_reports_this_machine() -> None:
     argv = netif.probe_argv("127.0.0.0/8")
-    assert json.loads(argv[1]) == ["127.255.255.254", "127.0.0.1", "127.0.0.2"]
-    res = subprocess.run([sys.executable, "-c", PROBE + netif.PROBE, sys.prefix, "", *argv],
+    assert argv[:2] == ["--netif", "127.0.0.0/8"]
+    assert json.loads(argv[2]) == ["127.255.255.254", "127.0.0.1", "127.0.0.2"]
+    # other parts of the probe take flags of their own there too (gpuhealth: --gpu-health-off)
+    res = subprocess.run([sys.executable, "-c", PROBE + netif.PROBE, sys.prefix, "", "--other-flag", *argv],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     found = netif.parse_probe(res.stdout)
     assert found is not None and "DDP-PROBE " in res.stdout, res.stdout + res.stderr
