@@ -110,6 +110,7 @@ except Exception as e:
     r["ddp_train_error"] = "%s: %s" % (type(e).__name__, e)
 print("DDP-PROBE " + json.dumps(r), flush=True)
 """
+PROBE += netif.PROBE  # the node's interfaces (netif.py) in the same round trip (its own output line)
 
 # Listens on MASTER_PORT (master only) and on an ephemeral port; answers each connection with a token.
 LISTENER = r"""
@@ -325,9 +326,10 @@ def _probe(c: NodeCheck, connect_timeout: float) -> None:
         return
     python = f"{node.venv.rstrip('/')}/bin/python"
     try:
-        args = netif.probe_argv(node.network_cidr)  # the interfaces: same round trip
-        cmd = python_command(c.plan, PROBE + netif.PROBE, node.venv, node.workdir or "", *args)
-        code, out = c.session.exec(cmd, timeout=120)
+        netif_args = netif.probe_argv(node.network_cidr)
+        code, out = c.session.exec(
+            python_command(c.plan, PROBE, node.venv, node.workdir or "", *netif_args), timeout=120
+        )
     except RemoteError as e:
         c.fail(f"probe failed: {str(e).split(': ', 1)[-1]}")
         return
