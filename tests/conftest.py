@@ -45,7 +45,7 @@ def require_testbed(extra_reason: str | None = None) -> None:
 def private_testbed(prefix: str, net: str, hosts: int, **up: Any) -> Iterator[Testbed]:
     """A testbed of the caller's own (`up` takes Testbed.up's options; os= picks the OS of the hosts)."""
     require_testbed()
-    tb = Testbed(prefix=prefix, net=net, os=up.pop("os", "debian"))
+    tb = Testbed(prefix=prefix, net=net, os=up.pop("os", "debian"), train_net=up.pop("train_net", None))
     try:
         tb.up(hosts, **up)
     except TestbedError as e:

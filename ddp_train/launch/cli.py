@@ -429,6 +429,7 @@ def _check_config(path: str | None, overrides: Sequence[str]) -> tuple[str | Non
 
 
 def _dry_run(plan: JobPlan) -> int:
+    from ddp_train.launch.netif import dry_run_line
     from ddp_train.launch.plan import command, shown_env
 
     where = (f"MASTER_ADDR={plan.master_addr} MASTER_PORT={plan.master_port}" if plan.rdzv == "static"
@@ -444,6 +445,8 @@ def _dry_run(plan: JobPlan) -> int:
     for p in plan.nodes:
         print(f"# [{p.label}] {p.node.where}")
         print(f"# environment, sent on stdin: {shown_env(p)}")
+        if network := dry_run_line(plan, p):
+            print(network)
         print(command(p, masked=True))
     return 0
 
@@ -468,6 +471,7 @@ def _doctor(plan: JobPlan, opts: argparse.Namespace) -> int:
 
 
 def _launch(plan: JobPlan, opts: argparse.Namespace) -> int:
+    from ddp_train.launch import netif
     from ddp_train.launch.job import Job
     from ddp_train.launch.logs import JobLog
     from ddp_train.launch.plan import command
@@ -504,6 +508,7 @@ def _launch(plan: JobPlan, opts: argparse.Namespace) -> int:
                     s.close()
                 return EXIT_PREFLIGHT
             log.note(f"preflight ok on {len(plan.nodes)} nodes")
+            plan = netif.apply(plan, report.checks, log.note)  # each node's interface in ddp_network_cidr
             if not _check_backend(plan, report, log):
                 for s in sessions.values():
                     s.close()

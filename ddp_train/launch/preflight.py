@@ -19,7 +19,7 @@ import shlex
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from ddp_train.launch import gpuhealth
+from ddp_train.launch import gpuhealth, netif
 from ddp_train.launch.errors import LaunchError, one_line
 from ddp_train.launch.logs import table
 from ddp_train.launch.plan import JobPlan, NodePlan, resolve
@@ -111,6 +111,7 @@ except Exception as e:
 print("DDP-PROBE " + json.dumps(r), flush=True)
 """
 PROBE += gpuhealth.COLLECT  # GPU health facts in the same round trip (its own output line)
+PROBE += netif.PROBE  # the node's interfaces (netif.py) in the same round trip (its own output line)
 
 # Listens on MASTER_PORT (master only) and on an ephemeral port; answers each connection with a token.
 LISTENER = r"""
@@ -256,6 +257,8 @@ class Report:
                     f.get("nccl"),
                     f.get("gpus"),
                     f.get("ddp_train"),
+                    f.get("iface"),
+                    f.get("iface_addr"),
                     status,
                 ]
             )
@@ -269,6 +272,8 @@ class Report:
             "NCCL",
             "GPUS",
             "DDP_TRAIN",
+            "IFACE",
+            "ADDRESS",
             "PREFLIGHT",
         ]
         lines = [table(head, rows)]
@@ -299,6 +304,7 @@ def run_preflight(
         _check_node_facts(c, plan)
         if c.facts:
             gpuhealth.check(c)
+    netif.check(plan, checks)
     _check_files(plan, checks)
     _check_network(plan, checks, net_timeout)
     return Report(checks=checks)
@@ -324,8 +330,9 @@ def _probe(c: NodeCheck, connect_timeout: float) -> None:
     python = f"{node.venv.rstrip('/')}/bin/python"
     try:
         gpu_args = gpuhealth.probe_args(node.gpu_health, node.gpu_health_dcgm)
+        netif_args = netif.probe_argv(node.network_cidr)
         code, out = c.session.exec(
-            python_command(c.plan, PROBE, node.venv, node.workdir or "", *gpu_args), timeout=120
+            python_command(c.plan, PROBE, node.venv, node.workdir or "", *gpu_args, *netif_args), timeout=120
         )
     except RemoteError as e:
         c.fail(f"probe failed: {str(e).split(': ', 1)[-1]}")
@@ -339,6 +346,7 @@ def _probe(c: NodeCheck, connect_timeout: float) -> None:
         c.fail(f"{python} failed: {last}")
         return
     c.facts = json.loads(found[-1][len(PROBE_MARK) :])
+    c.facts["netif"] = netif.parse_probe(out)
     c.facts["python_minor"] = ".".join(str(c.facts.get("python", "")).split(".")[:2])
     c.facts["gpu_health"] = gpuhealth.parse_probe_output(out)
     if code != 0:
@@ -554,9 +562,12 @@ def _check_network(plan: JobPlan, checks: list[NodeCheck], timeout: float) -> No
 
 
 def _addresses(plan: JobPlan, checks: list[NodeCheck]) -> dict[str, str]:
-    """The IP each node is reached at by its peers: its inventory address, resolved here."""
+    """The IP each node is reached at by its peers: its training address, else its inventory address."""
     out = {}
     for c in checks:
+        if c.facts.get("iface_addr"):  # what gloo/NCCL will connect to (netif)
+            out[c.name] = c.facts["iface_addr"]
+            continue
         try:
             ip = resolve(c.plan.node.address)
         except LaunchError as e:

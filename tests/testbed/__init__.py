@@ -17,6 +17,15 @@ the real dnf 4.14 installs stub packages from local repositories built from el/m
 gets simulated GPUs (`--gpus`, `--nvswitch`) and the test helper /usr/local/sbin/ddp-sim-reboot.
 
     python -m tests.testbed up 2 --os rocky9 --gpus 8 --nvswitch --prefix elsim --net 10.213.75
+
+`--train-net A.B.C` gives every host a second, training network like a real cluster's: SSH stays on
+--net (eth0, what the hostnames resolve to), the training interface is on its own bridge with a name
+that differs between hosts (`--train-ifnames ens1f0,train0,...`, taken in turn), and a decoy `aaa0`
+that sorts first, holds 172.17.0.1/16 on every host as docker0 does and leads nowhere (its peer is
+on no bridge). The inventory's ddp_network_cidr is the training network and ddp_master_addr node0's
+address in it.
+
+    python -m tests.testbed up 3 --prefix nicc --net 10.213.103 --train-net 10.213.102
 """
 
 from __future__ import annotations
@@ -41,6 +50,8 @@ OVERLAY_DIRS = ("/etc", "/opt", "/root", "/srv", "/home", "/var")
 EL_OVERLAY_DIRS = ("/usr", "/boot", *OVERLAY_DIRS)
 OS_CHOICES = ("debian", "rocky9")
 FIRST_HOST_OCTET = 10
+DEFAULT_TRAIN_IFNAMES = ("ens1f0", "train0", "enp65s0f1")
+DECOY_IFNAME, DECOY_ADDRESS = "aaa0", "172.17.0.1/16"  # sorts before every real name; docker0's address
 
 
 class TestbedError(RuntimeError):
@@ -59,6 +70,8 @@ class Host:
     name: str
     ip: str
     netns: str
+    train_ip: str | None = None  # --train-net: the address on the training interface
+    train_dev: str | None = None
 
 
 @dataclasses.dataclass
@@ -71,13 +84,21 @@ class Testbed:
     net: str = DEFAULT_NET
     state_root: Path = Path("/tmp")
     os: str = "debian"
+    train_net: str | None = None  # a second /24 (A.B.C) for training interfaces, named per host
+    train_ifnames: tuple[str, ...] = DEFAULT_TRAIN_IFNAMES
 
     def __post_init__(self) -> None:
         if not self.prefix.isalnum() or len(self.prefix) > 6:
             raise TestbedError(f"testbed prefix must be 1-6 letters/digits, got {self.prefix!r}")
-        parts = self.net.split(".")
-        if len(parts) != 3 or not all(p.isdigit() and 0 <= int(p) <= 255 for p in parts):
-            raise TestbedError(f"testbed net must look like 10.213.50 (a /24), got {self.net!r}")
+        for net in [self.net] + ([self.train_net] if self.train_net else []):
+            parts = net.split(".")
+            if len(parts) != 3 or not all(p.isdigit() and 0 <= int(p) <= 255 for p in parts):
+                raise TestbedError(f"testbed net must look like 10.213.50 (a /24), got {net!r}")
+        if self.train_net == self.net:
+            raise TestbedError("--train-net must differ from --net")
+        bad = [n for n in self.train_ifnames if not (0 < len(n) <= 15 and n.isascii() and n.isalnum())]
+        if bad or not self.train_ifnames or DECOY_IFNAME in self.train_ifnames:
+            raise TestbedError(f"training interface names must be 1-15 letters/digits (not aaa0), got {bad}")
         if self.os not in OS_CHOICES:
             raise TestbedError(f"testbed os must be one of {', '.join(OS_CHOICES)}, got {self.os!r}")
 
@@ -89,6 +110,10 @@ class Testbed:
     @property
     def bridge(self) -> str:
         return f"br-{self.prefix}"
+
+    @property
+    def train_bridge(self) -> str:
+        return f"bt-{self.prefix}"
 
     @property
     def bridge_ip(self) -> str:
@@ -116,7 +141,15 @@ class Testbed:
         return self.inventory_dir / "hosts.yml"
 
     def host(self, i: int) -> Host:
-        return Host(name=f"node{i}", ip=f"{self.net}.{FIRST_HOST_OCTET + i}", netns=f"{self.prefix}-node{i}")
+        train = {}
+        if self.train_net:
+            train = {
+                "train_ip": f"{self.train_net}.{FIRST_HOST_OCTET + i}",
+                "train_dev": self.train_ifnames[i % len(self.train_ifnames)],
+            }
+        return Host(
+            name=f"node{i}", ip=f"{self.net}.{FIRST_HOST_OCTET + i}", netns=f"{self.prefix}-node{i}", **train
+        )
 
     def hosts(self) -> list[Host]:
         """The hosts that are up now (read from the state dir)."""
@@ -212,6 +245,9 @@ class Testbed:
         _run("ip", "link", "add", self.bridge, "type", "bridge")
         _run("ip", "addr", "add", f"{self.bridge_ip}/24", "dev", self.bridge)
         _run("ip", "link", "set", self.bridge, "up")
+        if self.train_net:
+            _run("ip", "link", "add", self.train_bridge, "type", "bridge")
+            _run("ip", "link", "set", self.train_bridge, "up")
 
         hosts = [self.host(i) for i in range(n)]
         known = []
@@ -235,6 +271,8 @@ class Testbed:
         _run("ip", "-n", h.netns, "addr", "add", f"{h.ip}/24", "dev", "eth0")
         _run("ip", "-n", h.netns, "link", "set", "eth0", "up")
         _run("ip", "-n", h.netns, "link", "set", "lo", "up")
+        if h.train_dev:
+            self._add_training_interfaces(h)
 
         hostkey = d / "ssh_host_ed25519_key"
         _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", h.name, "-f", str(hostkey))
@@ -319,6 +357,19 @@ SetEnv PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
             )
         return [f"{h.ip} {pub}\n", f"{h.name} {pub}\n"]
 
+    def _add_training_interfaces(self, h: Host) -> None:
+        """The training interface (its own bridge, a per-host name) and the decoy that leads nowhere."""
+        num = h.name[4:]
+        train, decoy = f"t{self.prefix}{num}"[:15], f"d{self.prefix}{num}"[:15]
+        _run("ip", "link", "add", train, "type", "veth", "peer", "name", str(h.train_dev), "netns", h.netns)
+        _run("ip", "link", "set", train, "master", self.train_bridge, "up")
+        _run("ip", "-n", h.netns, "addr", "add", f"{h.train_ip}/24", "dev", str(h.train_dev))
+        _run("ip", "-n", h.netns, "link", "set", str(h.train_dev), "up")
+        _run("ip", "link", "add", decoy, "type", "veth", "peer", "name", DECOY_IFNAME, "netns", h.netns)
+        _run("ip", "link", "set", decoy, "up")
+        _run("ip", "-n", h.netns, "addr", "add", DECOY_ADDRESS, "dev", DECOY_IFNAME)
+        _run("ip", "-n", h.netns, "link", "set", DECOY_IFNAME, "up")
+
     def _wait_sshd(self, h: Host, timeout: float = 20) -> None:
         deadline = time.monotonic() + timeout
         pidfile = self.state_dir / "hosts" / h.name / "sshd.pid"
@@ -362,6 +413,11 @@ SetEnv PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
             }
         }
         args = f"--prefix {self.prefix}"
+        if self.train_net:
+            inv["all"]["vars"]["ddp_network_cidr"] = f"{self.train_net}.0/24"
+            inv["all"]["vars"]["ddp_master_addr"] = hosts[0].train_ip
+            names = ",".join(self.train_ifnames)
+            args += f" --net {self.net} --train-net {self.train_net} --train-ifnames {names}"
         if self.os == "rocky9":
             from . import el
 
@@ -390,10 +446,15 @@ SetEnv PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
         links = _run("ip", "-o", "link", "show", check=False).stdout
         for line in links.splitlines():
             name = line.split(":")[1].strip().split("@")[0]
-            if name.startswith(f"v{self.prefix}") and name[len(self.prefix) + 1 :].isdigit():
+            if (
+                name[:1] in "vtd"
+                and name[1:].startswith(self.prefix)
+                and name[len(self.prefix) + 1 :].isdigit()
+            ):
                 _run("ip", "link", "del", name, check=False)
-        if _run("ip", "link", "show", self.bridge, check=False).returncode == 0:
-            _run("ip", "link", "del", self.bridge, check=False)
+        for bridge in (self.bridge, self.train_bridge):
+            if _run("ip", "link", "show", bridge, check=False).returncode == 0:
+                _run("ip", "link", "del", bridge, check=False)
         if self.state_dir.exists():
             self._unmount_leftovers()
             shutil.rmtree(self.state_dir, ignore_errors=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import DEFAULT_NET, DEFAULT_PREFIX, OS_CHOICES, Testbed, TestbedError
+from . import DEFAULT_NET, DEFAULT_PREFIX, DEFAULT_TRAIN_IFNAMES, OS_CHOICES, Testbed, TestbedError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,11 +34,28 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument(
         "--usr-local", action="store_true", help="debian hosts: an overlay over /usr/local too (for fakes)"
     )
+    up.add_argument(
+        "--train-net",
+        metavar="A.B.C",
+        help="a second /24 for training interfaces named per host, plus a decoy aaa0 (ddp_network_cidr)",
+    )
+    up.add_argument(
+        "--train-ifnames",
+        default=",".join(DEFAULT_TRAIN_IFNAMES),
+        metavar="A,B,...",
+        help=f"the training interface name of node0, node1, ... in turn [{','.join(DEFAULT_TRAIN_IFNAMES)}]",
+    )
     sub.add_parser("down", help="kill the hosts' processes and delete their namespaces")
     sub.add_parser("status", help="list the hosts and their process counts")
     args = p.parse_args(argv)
     try:
-        tb = Testbed(prefix=args.prefix, net=args.net, os=getattr(args, "os", "debian"))
+        tb = Testbed(
+            prefix=args.prefix,
+            net=args.net,
+            os=getattr(args, "os", "debian"),
+            train_net=getattr(args, "train_net", None),
+            train_ifnames=tuple(getattr(args, "train_ifnames", ",".join(DEFAULT_TRAIN_IFNAMES)).split(",")),
+        )
         if args.cmd == "up":
             hosts = tb.up(
                 args.n,
@@ -49,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
                 usr_local=args.usr_local,
             )
             for h in hosts:
-                print(f"{h.name} {h.ip} netns={h.netns}")
+                train = f" training {h.train_dev} {h.train_ip}" if h.train_dev else ""
+                print(f"{h.name} {h.ip} netns={h.netns}{train}")
             print(f"inventory: {tb.inventory}")
             print(f"ssh: ssh -F {tb.ssh_config} node0")
         elif args.cmd == "down":
