@@ -464,6 +464,7 @@ def _doctor(plan: JobPlan, opts: argparse.Namespace) -> int:
 
 
 def _launch(plan: JobPlan, opts: argparse.Namespace) -> int:
+    from ddp_train.launch import rdma
     from ddp_train.launch.job import Job
     from ddp_train.launch.logs import JobLog
     from ddp_train.launch.plan import command
@@ -504,6 +505,9 @@ def _launch(plan: JobPlan, opts: argparse.Namespace) -> int:
                 for s in sessions.values():
                     s.close()
                 return EXIT_PREFLIGHT
+            plan, notes = rdma.with_ib_hca(plan, report.checks)  # NCCL_IB_HCA: each node's active ports
+            for line in notes:
+                log.note(f"rdma: {line}")
         if plan.config:
 
             def ship(p: NodePlan) -> str | None:

@@ -19,6 +19,7 @@ import shlex
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from ddp_train.launch import rdma
 from ddp_train.launch.errors import LaunchError, one_line
 from ddp_train.launch.logs import table
 from ddp_train.launch.plan import JobPlan, NodePlan, resolve
@@ -107,8 +108,8 @@ try:
             r["ddp_train"] = getattr(ddp_train, "__version__", "unknown")
 except Exception as e:
     r["ddp_train_error"] = "%s: %s" % (type(e).__name__, e)
-print("DDP-PROBE " + json.dumps(r), flush=True)
 """
+PROBE += rdma.PROBE_SRC + 'print("DDP-PROBE " + json.dumps(r), flush=True)\n'  # RDMA ports from sysfs
 
 # Listens on MASTER_PORT (master only) and on an ephemeral port; answers each connection with a token.
 LISTENER = r"""
@@ -295,6 +296,7 @@ def run_preflight(
     _compare_patch_level(checks)
     for c in checks:
         _check_node_facts(c, plan)
+    rdma.check_cluster(checks)
     _check_files(plan, checks)
     _check_network(plan, checks, net_timeout)
     return Report(checks=checks)
