@@ -5,6 +5,7 @@ check, idempotence (four runs). Own EL testbed: prefix rdm, 10.213.104."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 
@@ -84,3 +85,40 @@ def test_el_path_on_the_el9_simulation(el9, playbook, tmp_path):
     assert res.returncode == 2, res.out[-3000:]
     assert "no GPUDirect RDMA: the dkms driver modules" in res.out
     assert "`ibv_devinfo -l` lists mlx5_0, not every device in sysfs (mlx5_0, mlx5_1)" in res.out
+
+
+def test_verify_reports_and_checks_the_transport_nccl_chose(playbook, venv_bin, tmp_path):
+    """verify.yml's checks over recorded sysfs trees and NCCL logs, one local host per case, in one run."""
+    cases = {
+        "ib_ok": ("ib_two_active", "nccl_ib_gdr.log", 22.163),
+        "ib_but_socket": ("ib_two_active", "nccl_socket.log", 1.1),
+        "ib_slow": ("roce", "nccl_ib_no_gdr.log", 3.0),  # 100 Gb/s RoCE: the floor is 6.25 GB/s
+        "no_rdma": ("missing", "nccl_socket.log", 1.1),
+    }
+    hosts = {
+        name: {"ansible_connection": "local", "ansible_python_interpreter": str(venv_bin / "python"),
+               "rdma_case_tree": str(TREES / tree), "rdma_case_log": str(TREES / log), "rdma_case_busbw": bw}
+        for name, (tree, log, bw) in cases.items()
+    }  # fmt: skip
+    inventory = tmp_path / "hosts.json"
+    inventory.write_text(json.dumps({"all": {"hosts": hosts}}))
+    play = str(REPO_ROOT / "tests" / "ansible" / "playbooks" / "verify_rdma.yml")
+    res = playbook("-i", str(inventory), "-e", f"verify_venv={venv_bin.parent}", play)
+    assert res.returncode == 2, res.out[-3000:]
+    assert re.search(r"ib_ok\s+: ok=\d+\s+changed=0\s+unreachable=0\s+failed=0", res.out), res.out[-3000:]
+    assert re.search(r"no_rdma\s+: ok=\d+\s+changed=0\s+unreachable=0\s+failed=0", res.out), res.out[-3000:]
+    assert (
+        "ib_ok: NCCL 2.26.2+cuda12.8 network IB (mlx5_0:1, mlx5_1:1), GPUDirect RDMA yes; RDMA ports: "
+        "mlx5_0:1, mlx5_1:1 active, 200.0 Gb/s." in res.out
+    )
+    assert (
+        "no_rdma: NCCL 2.27.3+cuda12.9 network Socket, GPUDirect RDMA no; RDMA ports: none active." in res.out
+    )
+    assert (
+        "ib_but_socket has ACTIVE RDMA ports (mlx5_0:1, mlx5_1:1) but NCCL used TCP sockets: "
+        "NCCL found no IB device" in res.out
+    )
+    assert (
+        "ib_slow: bus bandwidth 3.0 GB/s is below 0.5 of its 100.0 Gb/s RDMA link (6.25 GB/s), "
+        "and NCCL did not use GPUDirect RDMA" in res.out
+    )
