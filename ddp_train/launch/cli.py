@@ -449,6 +449,7 @@ def _dry_run(plan: JobPlan) -> int:
 
 
 def _doctor(plan: JobPlan, opts: argparse.Namespace) -> int:
+    from ddp_train.launch import rdma
     from ddp_train.launch.preflight import run_preflight
 
     report = run_preflight(plan, connect_timeout=opts.connect_timeout, net_timeout=opts.net_timeout)
@@ -456,6 +457,8 @@ def _doctor(plan: JobPlan, opts: argparse.Namespace) -> int:
         s.close()
     print(f"MASTER_ADDR={plan.master_addr} MASTER_PORT={plan.master_port} nodes={len(plan.nodes)}")
     print(report.render())
+    for line in rdma.ib_hca_env(report.checks)[1]:  # what a launch would set: each node's active RDMA ports
+        print(f"rdma: {line}")
     if report.ok:
         print("preflight: all checks passed")
         return 0
