@@ -452,6 +452,7 @@ def _dry_run(plan: JobPlan) -> int:
 
 
 def _doctor(plan: JobPlan, opts: argparse.Namespace) -> int:
+    from ddp_train.launch import rdma
     from ddp_train.launch.preflight import run_preflight
 
     report = run_preflight(plan, connect_timeout=opts.connect_timeout, net_timeout=opts.net_timeout)
@@ -463,6 +464,8 @@ def _doctor(plan: JobPlan, opts: argparse.Namespace) -> int:
 
     if gpus := gpu_table(report.checks):  # GPU nodes only; their problems are in the lines above
         print(gpus)
+    for line in rdma.ib_hca_env(report.checks)[1]:  # what a launch would set: each node's active RDMA ports
+        print(f"rdma: {line}")
     if report.ok:
         print("preflight: all checks passed")
         return 0
@@ -471,7 +474,7 @@ def _doctor(plan: JobPlan, opts: argparse.Namespace) -> int:
 
 
 def _launch(plan: JobPlan, opts: argparse.Namespace) -> int:
-    from ddp_train.launch import netif
+    from ddp_train.launch import netif, rdma
     from ddp_train.launch.job import Job
     from ddp_train.launch.logs import JobLog
     from ddp_train.launch.plan import command
@@ -513,6 +516,9 @@ def _launch(plan: JobPlan, opts: argparse.Namespace) -> int:
                 for s in sessions.values():
                     s.close()
                 return EXIT_PREFLIGHT
+            plan, notes = rdma.with_ib_hca(plan, report.checks)  # NCCL_IB_HCA: each node's active ports
+            for line in notes:
+                log.note(f"rdma: {line}")
         if plan.config:
 
             def ship(p: NodePlan) -> str | None:

@@ -19,7 +19,7 @@ import shlex
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from ddp_train.launch import gpuhealth, netif
+from ddp_train.launch import gpuhealth, netif, rdma
 from ddp_train.launch.errors import LaunchError, one_line
 from ddp_train.launch.logs import table
 from ddp_train.launch.plan import JobPlan, NodePlan, resolve
@@ -108,8 +108,8 @@ try:
             r["ddp_train"] = getattr(ddp_train, "__version__", "unknown")
 except Exception as e:
     r["ddp_train_error"] = "%s: %s" % (type(e).__name__, e)
-print("DDP-PROBE " + json.dumps(r), flush=True)
 """
+PROBE += rdma.PROBE_SRC + 'print("DDP-PROBE " + json.dumps(r), flush=True)\n'  # RDMA ports from sysfs
 PROBE += gpuhealth.COLLECT  # GPU health facts in the same round trip (its own output line)
 PROBE += netif.PROBE  # the node's interfaces (netif.py) in the same round trip (its own output line)
 
@@ -305,6 +305,7 @@ def run_preflight(
         if c.facts:
             gpuhealth.check(c)
     netif.check(plan, checks)
+    rdma.check_cluster(checks)
     _check_files(plan, checks)
     _check_network(plan, checks, net_timeout)
     return Report(checks=checks)
