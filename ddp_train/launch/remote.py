@@ -169,12 +169,21 @@ class _SshStream(Stream):
         self.lost: str | None = None
 
     def lines(self) -> Iterator[str]:
+        """Read until the channel's buffer is drained and closed (recv returns b"").
+
+        A recv that times out while the channel closed meanwhile is no loss: paramiko keeps the bytes
+        that arrived with the close in the channel's buffer (its BufferedPipe.read can raise
+        PipeTimeout though its wait ended with data there), so the next recv returns them, and b"" once
+        they are drained. "Lost" means the transport died without the command's exit status (issue #19).
+        """
         buf = b""
         while True:
             try:
                 data = self.channel.recv(65536)
             except socket.timeout:
-                if self.channel.closed or not self.transport.is_active():
+                if self.channel.closed:
+                    continue  # closed: the next recv returns what is buffered, then b"" (never blocks)
+                if not self.transport.is_active():
                     self.lost = LOST
                     break
                 continue
@@ -182,6 +191,8 @@ class _SshStream(Stream):
                 self.lost = f"{LOST}: {e}"
                 break
             if not data:
+                if self.channel.exit_status == -1 and not self.transport.is_active():
+                    self.lost = LOST  # closed because the transport died, not because the command ended
                 break
             buf += data
             *complete, buf = buf.split(b"\n")
