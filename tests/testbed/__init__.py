@@ -29,8 +29,11 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
+
+from . import neigh
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PREFIX = os.environ.get("DDP_TESTBED_PREFIX", "tb")
@@ -196,6 +199,7 @@ class Testbed:
                 raise TestbedError(f"EL sim: {e}") from e
         self._hw = {"gpus": gpus, "nvswitch": nvswitch, "gpu_model": gpu_model}
         self.down()
+        self._say(neigh.acquire(self.prefix, n), f"raised for its {n} hosts")
         keys = self.key_file.parent
         keys.mkdir(parents=True, exist_ok=True)
         comment = f"ddp-testbed-{self.prefix}"
@@ -395,6 +399,12 @@ SetEnv PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
             shutil.rmtree(self.state_dir, ignore_errors=True)
         if self.inventory_dir.exists():
             shutil.rmtree(self.inventory_dir, ignore_errors=True)
+        self._say(neigh.release(self.prefix), "restored at down")
+
+    def _say(self, changes: list[str], what: str) -> None:
+        """The kernel's neighbour thresholds are global: every change is said, on stderr."""
+        if changes:
+            print(f"testbed {self.prefix}: neighbour table {what}: {', '.join(changes)}", file=sys.stderr)
 
     def _unmount_leftovers(self) -> None:
         # Overlays live in the hosts' private mount namespaces, which die with their processes;
