@@ -75,6 +75,7 @@ class Node:
     sync_dir: str | None = None  # ddp_sync_dir: the default of --sync
     sync_exclude: tuple[str, ...] = ()  # ddp_sync_exclude: gitignore-style patterns
     script_check: str = "warn"  # ddp_script_check: strict | warn | off
+    forks: int | None = None  # ddp_forks: the default of --forks
 
     @property
     def where(self) -> str:
@@ -336,7 +337,17 @@ def _node(loader: Any, variables: Any, host: Any, extra: Mapping[str, Any], wher
         sync_dir=v.text("ddp_sync_dir"),
         sync_exclude=_patterns(v, "ddp_sync_exclude"),
         script_check=_script_check(v),
+        forks=_forks(v),
     )
+
+
+def _forks(v: _Vars) -> int | None:
+    value = v.get("ddp_forks")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not str(value).isdigit() or int(str(value)) < 1:
+        raise v.error("ddp_forks", f"{_short(value)} is not a positive integer")
+    return int(str(value))
 
 
 def _script_check(v: _Vars) -> str:
