@@ -603,7 +603,10 @@ def _unreachable(key: str, result: str) -> str:
             f"cannot reach the master {peer} at {ip}:{port} (MASTER_PORT): {result}{hint}; "
             "open MASTER_PORT to the cluster's addresses (role firewall)"
         )
+    fix = f"allow the cluster's addresses in {peer}'s firewall (role firewall)"
+    if code == "EHOSTUNREACH":
+        fix = f"check that {peer} is up, and the neighbour table size on both nodes (role cluster_hosts)"
     return (
-        f"cannot reach {peer} at {ip}:{port}, an OS-chosen ephemeral port as gloo/NCCL use: {result}{hint}; "
-        f"allow the cluster's addresses in {peer}'s firewall (role firewall)"
+        f"cannot reach {peer} at {ip}:{port}, an OS-chosen ephemeral port as gloo/NCCL use: "
+        f"{result}{hint}; {fix}"
     )
