@@ -33,10 +33,10 @@ WORKDIR = "/tmp/ddp-bench-c8"
 
 
 class Sampler:
-    """Peak open fds and threads of a process, read from /proc while it runs."""
+    """Peak open fds, threads and RSS (VmHWM) of a process, read from /proc while it runs."""
 
     def __init__(self, pid: int) -> None:
-        self.pid, self.fds, self.threads = pid, 0, 0
+        self.pid, self.fds, self.threads, self.rss_kib = pid, 0, 0, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -49,6 +49,8 @@ class Sampler:
                     for line in f:
                         if line.startswith("Threads:"):
                             self.threads = max(self.threads, int(line.split()[1]))
+                        elif line.startswith("VmHWM:"):
+                            self.rss_kib = max(self.rss_kib, int(line.split()[1]))
             except (OSError, ValueError):
                 pass
             self._stop.wait(0.02)
@@ -77,7 +79,7 @@ def doctor(inventory: str, names: list[str]) -> dict:
         "wall_s": wall,
         "cpu_s": cpu,
         "cpu_per_node_s": cpu / len(names),
-        "rss_MiB": after.ru_maxrss / 1024,  # the largest child so far: every child is a doctor or smaller
+        "rss_MiB": sampler.rss_kib / 1024,  # VmHWM: the kernel's peak, last read <= 20 ms before exit
         "fds": sampler.fds,
         "threads": sampler.threads,
     }
@@ -108,7 +110,13 @@ def launch(inventory: str, names: list[str]) -> dict:
     sampler.stop()
     if first is None or proc.returncode != 0:
         raise SystemExit(f"bench: launch on {len(names)} hosts failed ({proc.returncode}):\n{''.join(tail)}")
-    return {"n": len(names), "first_step_s": first, "fds": sampler.fds, "threads": sampler.threads}
+    return {
+        "n": len(names),
+        "first_step_s": first,
+        "fds": sampler.fds,
+        "threads": sampler.threads,
+        "rss_MiB": sampler.rss_kib / 1024,
+    }
 
 
 def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -150,7 +158,7 @@ def main() -> None:
     if started:
         print(
             f"launch n={started['n']}: first step after {started['first_step_s']:.1f} s; launcher peak "
-            f"fds {started.get('fds')}, threads {started.get('threads')}",
+            f"fds {started['fds']}, threads {started['threads']}, rss {started['rss_MiB']:.0f} MiB",
             flush=True,
         )
     for key, unit in (("cpu_s", "s"), ("fds", ""), ("threads", ""), ("rss_MiB", "MiB"), ("wall_s", "s")):
