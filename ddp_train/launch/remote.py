@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # paramiko/fabric load on first connection, not for --dry-run
 
 DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
 LOST = "ssh connection lost"
-POLL_S = 1.0  # the transport thread's idle wake-up
+POLL_S = 2.0  # idle wake-up of the transport thread and of a stream's reader (issue #19)
 
 
 class RemoteError(Exception):
@@ -245,7 +245,7 @@ class SshSession(Session):
         try:
             channel = self.connection.create_session()
             channel.set_combine_stderr(True)
-            channel.settimeout(0.5)
+            channel.settimeout(POLL_S)  # paramiko closes every channel when its transport dies
             channel.exec_command(command)
         except Exception as e:  # paramiko raises SSHException, EOFError, OSError...
             raise RemoteError(
@@ -454,7 +454,7 @@ def _keepalive(conn: Connection) -> None:
         return  # a ProxyCommand/jump channel: paramiko's keepalive is all we have
     # paramiko's transport thread wakes every 0.1 s (Transport._active_check_timeout) to poll for
     # close and keepalive; at 64 nodes those wake-ups were a third of the controller's CPU. Incoming
-    # data still wakes it at once; close and the 5 s keepalive need no finer tick than 1 s (issue #19).
+    # data still wakes it at once; close and the 5 s keepalive need no finer tick than POLL_S (issue #19).
     sock.settimeout(POLL_S)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for opt, value in (
