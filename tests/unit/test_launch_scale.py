@@ -174,3 +174,13 @@ def test_gc_thresh3_below_four_per_node_warns_with_the_sysctl_and_role() -> None
     assert "net.ipv4.neigh.default.gc_thresh3 is 1024, below 4 x 300 nodes = 1200" in checks[0].warnings[0]
     assert "role cluster_hosts" in checks[0].warnings[0]
     assert not any(c.warnings for c in checks[3:])  # no fact, no warning
+
+
+def test_ddp_forks_is_read_from_the_inventory_and_checked() -> None:
+    from ddp_train.launch.inventory import load_nodes
+
+    local = str(REPO / "inventory" / "local")
+    assert {n.forks for n in load_nodes([local], extra_vars=["ddp_forks=3"])} == {3}
+    assert {n.forks for n in load_nodes([local])} == {None}
+    with pytest.raises(LaunchError, match="ddp_forks.*not a positive integer"):
+        load_nodes([local], extra_vars=["ddp_forks=0"])
