@@ -21,7 +21,8 @@ from ddp_train.launch.errors import LaunchError
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_parallel_runs_at_most_forks_at_once_and_keeps_order() -> None:
+def test_parallel_runs_at_most_forks_at_once_and_keeps_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fanout, "_forks", None)  # whatever an earlier in-process ddp-launch set
     running, peak, lock = [0], [0], threading.Lock()
 
     def work(i: int) -> int:
