@@ -111,6 +111,13 @@ def _parser(doctor: bool) -> argparse.ArgumentParser:
         metavar="S",
         help="preflight: timeout of each node-to-node TCP probe [3]",
     )
+    net.add_argument(
+        "--forks",
+        type=int,
+        metavar="N",
+        help="at most N nodes connected, probed or stopped at once, as ansible-playbook --forks "
+        "(the job's own channels are one per node) [ddp_forks, else ansible.cfg forks, else 5]",
+    )
     if doctor:
         return p
     job.add_argument("--config", metavar="FILE", help="trainer config (YAML); copied to every remote node")
@@ -215,6 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _usage("doctor takes no trainer arguments after --")
     try:
         plan = _plan(opts, trainer_args, doctor)
+        if doctor or not opts.dry_run:
+            _controller_limits(plan, opts)
         if doctor:
             return _doctor(plan, opts)
         if opts.dry_run:
@@ -225,6 +234,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # before the job started (once it runs, the job traps SIGINT itself)
         print("ddp-launch: interrupted; nothing was started", file=sys.stderr)
         return 130
+
+
+def _controller_limits(plan: JobPlan, opts: argparse.Namespace) -> None:
+    """Open-file limit raised to the hard limit (LaunchError if the nodes still do not fit); --forks."""
+    from ddp_train.launch.fanout import ansible_forks, set_forks
+    from ddp_train.launch.limits import raise_nofile
+
+    if opts.forks is not None and opts.forks < 1:
+        raise LaunchError(f"--forks {opts.forks}: must be >= 1")
+    raise_nofile(len(plan.nodes))
+    set_forks(opts.forks or plan.nodes[0].node.forks or ansible_forks())
 
 
 def _usage(message: str) -> int:
@@ -475,10 +495,11 @@ def _doctor(plan: JobPlan, opts: argparse.Namespace) -> int:
 
 def _launch(plan: JobPlan, opts: argparse.Namespace) -> int:
     from ddp_train.launch import netif, rdma
+    from ddp_train.launch.fanout import parallel
     from ddp_train.launch.job import Job
     from ddp_train.launch.logs import JobLog
     from ddp_train.launch.plan import command
-    from ddp_train.launch.preflight import parallel, run_preflight
+    from ddp_train.launch.preflight import run_preflight
     from ddp_train.launch.remote import RemoteError, open_session
 
     log = JobLog(Path(opts.log_dir), plan.job_id, secrets=plan.secrets())
@@ -569,7 +590,7 @@ def _check_backend(plan: JobPlan, report: Any, log: JobLog) -> bool:
 
 def _sync(plan: JobPlan, opts: argparse.Namespace, log: JobLog, sessions: dict) -> bool:
     """Ship --sync to every remote node in parallel; one line per node. False if any node failed."""
-    from ddp_train.launch.preflight import parallel
+    from ddp_train.launch.fanout import parallel
     from ddp_train.launch.remote import RemoteError, open_session
     from ddp_train.launch.sync import SyncError, sync_node
 

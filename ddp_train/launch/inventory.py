@@ -78,6 +78,7 @@ class Node:
     script_check: str = "warn"  # ddp_script_check: strict | warn | off
     gpu_health: str = "strict"  # ddp_gpu_health: strict | warn | off (launch/gpuhealth.py)
     gpu_health_dcgm: bool = False  # ddp_gpu_health_dcgm: also run `dcgmi diag -r 1`
+    forks: int | None = None  # ddp_forks: the default of --forks
 
     @property
     def where(self) -> str:
@@ -341,7 +342,17 @@ def _node(loader: Any, variables: Any, host: Any, extra: Mapping[str, Any], wher
         script_check=_script_check(v),
         gpu_health=_gpu_health(v),
         gpu_health_dcgm=_flag(v, "ddp_gpu_health_dcgm"),
+        forks=_forks(v),
     )
+
+
+def _forks(v: _Vars) -> int | None:
+    value = v.get("ddp_forks")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not str(value).isdigit() or int(str(value)) < 1:
+        raise v.error("ddp_forks", f"{_short(value)} is not a positive integer")
+    return int(str(value))
 
 
 def _script_check(v: _Vars) -> str:

@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from ddp_train.launch.errors import one_line
+from ddp_train.launch.fanout import parallel
 from ddp_train.launch.logs import JobLog, first_error, table
 from ddp_train.launch.plan import (
     PGID_MARKER,
@@ -33,7 +34,6 @@ from ddp_train.launch.plan import (
     env_line,
     shown_env,
 )
-from ddp_train.launch.preflight import parallel
 from ddp_train.launch.remote import LOST, RemoteError, Session, Stream, open_session
 
 EXIT_OK, EXIT_FAILED, EXIT_TIMEOUT = 0, 1, 124

@@ -9,18 +9,17 @@ OS-chosen ephemeral port, which is what gloo and NCCL connect to after the rende
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import ipaddress
 import json
 import posixpath
 import secrets
 import shlex
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from ddp_train.launch import gpuhealth, netif, rdma
 from ddp_train.launch.errors import LaunchError, one_line
+from ddp_train.launch.fanout import parallel
 from ddp_train.launch.logs import table
 from ddp_train.launch.plan import JobPlan, NodePlan, resolve
 from ddp_train.launch.remote import RemoteError, Session, Stream, open_session
@@ -108,6 +107,11 @@ try:
             r["ddp_train"] = getattr(ddp_train, "__version__", "unknown")
 except Exception as e:
     r["ddp_train_error"] = "%s: %s" % (type(e).__name__, e)
+try:  # the kernel's neighbour table limit, compared with the cluster size (issue #19)
+    with open("/proc/sys/net/ipv4/neigh/default/gc_thresh3") as f:
+        r["gc_thresh3"] = int(f.read())
+except (OSError, ValueError):
+    pass
 """
 PROBE += rdma.PROBE_SRC + 'print("DDP-PROBE " + json.dumps(r), flush=True)\n'  # RDMA ports from sysfs
 PROBE += gpuhealth.COLLECT  # GPU health facts in the same round trip (its own output line)
@@ -148,21 +152,30 @@ while time.time() < end:
         c.close()
 """
 
-# Connects to every target in parallel and reports ok / the error for each.
+# Connects to every target in parallel and reports ok / the error for each; a failed connect is tried
+# once more before it counts (one dropped SYN under load must not fail a launch). An OSError is
+# reported as "ERRNO-NAME strerror" so the launcher can tell no route (EHOSTUNREACH) from refused.
 CONNECTOR = r"""
-import json, socket, sys, threading
+import errno, json, socket, sys, threading
 targets, token, timeout = json.loads(sys.argv[1]), sys.argv[2], float(sys.argv[3])
 out = {}
-def probe(key, ip, port):
+def attempt(ip, port):
     try:
         with socket.create_connection((ip, port), timeout=timeout) as s:
             s.settimeout(timeout)
             got = s.makefile().readline().strip()
-        out[key] = "ok" if got == token else "answered by another program (not the ddp-launch probe)"
+        return "ok" if got == token else "answered by another program (not the ddp-launch probe)"
     except socket.timeout:
-        out[key] = "timed out after %gs" % timeout
+        return "timed out after %gs" % timeout
     except OSError as e:
-        out[key] = e.strerror or str(e)
+        return "%s %s" % (errno.errorcode.get(e.errno, "OSError"), e.strerror or e)
+def probe(key, ip, port):
+    first = attempt(ip, port)
+    if first == "ok" or first.startswith("answered"):
+        out[key] = first
+        return
+    second = attempt(ip, port)
+    out[key] = second if second == "ok" else "%s (twice)" % second
 ts = [threading.Thread(target=probe, args=t) for t in targets]
 [t.start() for t in ts]
 [t.join() for t in ts]
@@ -199,8 +212,6 @@ for p in required:
 print("DDP-FILES " + json.dumps(r), flush=True)
 """
 )
-
-T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -282,14 +293,6 @@ class Report:
         return "\n".join(lines)
 
 
-def parallel(fn: Callable[[Any], T], items: Sequence[Any]) -> list[T]:
-    """fn over items, one thread each, results in order."""
-    if not items:
-        return []
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(items)) as pool:
-        return list(pool.map(fn, items))
-
-
 def run_preflight(
     plan: JobPlan, connect_timeout: float = 10, net_timeout: float = 3, sessions: dict | None = None
 ) -> Report:
@@ -306,6 +309,7 @@ def run_preflight(
             gpuhealth.check(c)
     netif.check(plan, checks)
     rdma.check_cluster(checks)
+    _check_neighbour_table(checks)
     _check_files(plan, checks)
     _check_network(plan, checks, net_timeout)
     return Report(checks=checks)
@@ -386,6 +390,20 @@ def _check_node_facts(c: NodeCheck, plan: JobPlan) -> None:
                 c.warnings.append(
                     f"{key} is {got} but the provisioning fingerprint says {want} (venv changed?)"
                 )
+
+
+def _check_neighbour_table(checks: list[NodeCheck]) -> None:
+    """gloo connects every pair and NCCL bootstraps widely: each node keeps a neighbour entry per peer,
+    and the kernel drops new ones past gc_thresh3 (defaults 128/512/1024). Warn below 4 x nodes."""
+    need = 4 * len(checks)
+    for c in checks:
+        limit = c.facts.get("gc_thresh3")
+        if isinstance(limit, int) and limit < need:
+            c.warnings.append(
+                f"net.ipv4.neigh.default.gc_thresh3 is {limit}, below 4 x {len(checks)} nodes = {need}: "
+                "connections can fail with 'neighbor table overflow!' in the kernel log; raise it "
+                "(role cluster_hosts sets it from the inventory's size)"
+            )
 
 
 def _check_files(plan: JobPlan, checks: list[NodeCheck]) -> None:
@@ -581,19 +599,34 @@ def _addresses(plan: JobPlan, checks: list[NodeCheck]) -> dict[str, str]:
     return out
 
 
+NEIGHBOUR_HINT = (
+    "no answer to ARP/neighbour discovery: the kernel's neighbour table is full "
+    "(net.ipv4.neigh.default.gc_thresh3, set by role cluster_hosts; 'neighbor table overflow!' in dmesg) "
+    "or the host is down"
+)
+
+
 def _unreachable(key: str, result: str) -> str:
     peer, kind, ip, port = key.split("|")
+    code, _, why = result.partition(" ")
+    if code.startswith("E") and code.isupper():
+        result = why  # the connector's "ERRNO-NAME strerror": the name picks the hint
     hint = ""
-    if result.startswith("timed out"):
+    if code in ("EHOSTUNREACH", "ENETUNREACH"):
+        hint = f" ({NEIGHBOUR_HINT})" if code == "EHOSTUNREACH" else " (no route: check the node's routes)"
+    elif result.startswith("timed out"):
         hint = " (packets dropped: a firewall on either side?)"
-    elif "refused" in result.lower():
+    elif code == "ECONNREFUSED" or "refused" in result.lower():
         hint = " (refused: a REJECT rule, or the address is not this node's?)"
     if kind == "MASTER_PORT":
         return (
             f"cannot reach the master {peer} at {ip}:{port} (MASTER_PORT): {result}{hint}; "
             "open MASTER_PORT to the cluster's addresses (role firewall)"
         )
+    fix = f"allow the cluster's addresses in {peer}'s firewall (role firewall)"
+    if code == "EHOSTUNREACH":
+        fix = f"check that {peer} is up, and the neighbour table size on both nodes (role cluster_hosts)"
     return (
-        f"cannot reach {peer} at {ip}:{port}, an OS-chosen ephemeral port as gloo/NCCL use: {result}{hint}; "
-        f"allow the cluster's addresses in {peer}'s firewall (role firewall)"
+        f"cannot reach {peer} at {ip}:{port}, an OS-chosen ephemeral port as gloo/NCCL use: "
+        f"{result}{hint}; {fix}"
     )
