@@ -142,7 +142,7 @@ class _Lifeline:
             return None
         sys.stdout.flush()
         sys.stderr.flush()
-        life = cls(timeout, env.get("DDP_JOB_ID", "job"))
+        life = cls(timeout, os.environ.get("DDP_JOB_ID", "job"))
         life.relay.start()
         life.watch.start()
         return life

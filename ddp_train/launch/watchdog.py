@@ -35,19 +35,22 @@ WAITING = re.compile(r"all_reduce|allreduce|all_gather|broadcast|barrier|\bwait\
 FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+) in (\S+)')
 THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+")
 
-# Runs on a node: list the job's workers (RANK in their environment) in this network namespace,
+# Runs on a node: list the job's workers of this node (RANK in their environment, GROUP_RANK = the node
+# rank: local nodes share one /proc) in this network namespace,
 # SIGUSR1 each one whose SigCgt mask says it handles it (bit 9: SIGUSR1 = 10; an unhandled SIGUSR1
 # would kill the process), py-spy where installed, then print every dump.
 STACK_SCRIPT = r"""
-id=$1; dir=$2
+id=$1; dir=$2; node=$3; ranks=""
 mkdir -p "$dir"
 me=$(readlink /proc/self/ns/net)
 for f in $(grep -lxzsF -- "DDP_JOB_ID=$id" /proc/[0-9]*/environ 2>/dev/null); do
   p=${f#/proc/}; p=${p%/environ}
   [ "$(readlink "/proc/$p/ns/net" 2>/dev/null)" = "$me" ] || continue
+  grep -qxzF -- "GROUP_RANK=$node" "$f" 2>/dev/null || continue
   rank=$(tr '\0' '\n' < "$f" 2>/dev/null | sed -n 's/^RANK=//p')
   [ -n "$rank" ] || continue
   echo "WORKER $p $rank"
+  ranks="$ranks $rank"
   cgt=$(sed -n 's/^SigCgt:[[:space:]]*//p' "/proc/$p/status" 2>/dev/null)
   [ -n "$cgt" ] && [ $(( (0x$cgt >> 9) & 1 )) = 1 ] && kill -USR1 "$p" 2>/dev/null
   if command -v py-spy >/dev/null 2>&1; then
@@ -58,6 +61,8 @@ sleep 2
 wait
 for f in "$dir"/r*.txt "$dir"/py-spy-r*.txt; do
   [ -f "$f" ] || continue
+  r=${f##*r}; r=${r%.txt}
+  case " $ranks " in *" $r "*) ;; *) continue ;; esac
   echo "==> ${f##*/}"
   cat "$f"
 done
@@ -110,8 +115,9 @@ class StallWatch:
         from ddp_train.launch.preflight import parallel
 
         def one(item: tuple[Any, Callable[[str], tuple[int, str]]]) -> str:
-            _plan, run = item
-            cmd = shlex.join(["sh", "-c", STACK_SCRIPT, "ddp-stacks", self.job_id, stack_dir(self.job_id)])
+            plan, run = item
+            args = [self.job_id, stack_dir(self.job_id), str(plan.rank)]
+            cmd = shlex.join(["sh", "-c", STACK_SCRIPT, "ddp-stacks", *args])
             try:
                 return run(cmd)[1]
             except Exception as e:  # noqa: BLE001 - one unreachable node must not stop the others
