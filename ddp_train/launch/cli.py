@@ -596,7 +596,7 @@ def _launch_job(plan: JobPlan, opts: argparse.Namespace, log: JobLog, state: Pat
         )
         fetcher = metricsview.start(plan, plan.config, opts.overrides, log.dir, opts.connect_timeout)
         code = job.run()
-        jobstate.update_state(state, reason=job.reason)
+        jobstate.update_state(state, reason=job.reason, stopped_cleanly=job.stopped_cleanly())
         shown = metricsview.finish(fetcher, log.dir)
         if shown:
             log.note(shown)

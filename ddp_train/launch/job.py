@@ -545,6 +545,10 @@ class Job:
             if r.code == 0 or (r.code == sig and any(map(STOPPED.search, self.log.tail(r.name))))
         ]
 
+    def stopped_cleanly(self) -> bool:
+        """After a stop: every node ended as asked (its ranks saved), so the job can resume."""
+        return bool(self.stop_signal) and len(self._stopped_cleanly()) == len(self.runs)
+
     def _summary(self, code: int, leftovers: dict[str, list[str]], elapsed: float) -> None:
         rows = []
         clean = self._stopped_cleanly()

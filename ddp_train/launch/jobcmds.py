@@ -317,13 +317,14 @@ def _stop(job_dir: Path, data: dict[str, Any], no_wait: bool) -> int:
           "and saves", flush=True)  # fmt: skip
     if no_wait:
         return 0
+    state_path = job_dir / jobstate.STATE_FILE
     if data.get("detached"):
-        code = _follow(path, job_dir, offset)
-    else:
-        while (
-            jobstate.effective_state(jobstate.read_state(job_dir / jobstate.STATE_FILE) or {})
-            in jobstate.LIVE
-        ):
+        _follow(path, job_dir, offset)
+    else:  # a foreground job: its own terminal shows the stop
+        while jobstate.effective_state(jobstate.read_state(state_path) or {}) in jobstate.LIVE:
             time.sleep(POLL_S)
-        code = int((jobstate.read_state(job_dir / jobstate.STATE_FILE) or {}).get("exit_code") or 0)
-    return 0 if code in (0, 143) else code
+    final = jobstate.read_state(state_path) or {}
+    if final.get("exit_code") == 0 or final.get("stopped_cleanly"):
+        return 0
+    print(f"ddp-launch: job {job_id} did not stop cleanly: {_state_text(final)}", file=sys.stderr)
+    return 1

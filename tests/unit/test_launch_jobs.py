@@ -184,3 +184,48 @@ def test_a_heartbeat_keeps_the_agent_running(tmp_path: Path) -> None:
         proc.stdin.close()
         proc.stdout.close()
     assert proc.returncode == 143
+
+
+def test_metrics_render_a_png_or_say_how_to_get_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ddp_train.launch import metricsview
+
+    records = [{"step": s, "loss": 2.0 / s, "tokens_per_s": 1000.0 + s} for s in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in records) + '{"step": 6, "lo'
+    )
+    assert metricsview.read_records(tmp_path / "metrics.jsonl") == records  # a half-written line is skipped
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed
+    line = metricsview.render_png(records, tmp_path / "metrics.png")
+    assert (
+        line
+        == "plot: matplotlib is not installed: pip install 'ddp-train[plot]' (or: pip install matplotlib)"
+    )
+    monkeypatch.undo()
+    pytest.importorskip("matplotlib")  # dev extras install it (pyproject), so CI runs the rest
+    assert metricsview.render_png(records, tmp_path / "metrics.png") == f"plot: {tmp_path / 'metrics.png'}"
+    assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tensorboard_events_only_when_asked(tmp_path: Path) -> None:
+    from ddp_train import tbwriter
+    from ddp_train.config import load_config
+    from ddp_train.metrics import JsonlWriter
+
+    cfg = load_config(None, [f"run.dir={tmp_path}"])
+    plain = JsonlWriter(tmp_path / "m.jsonl")
+    assert tbwriter.tee(plain, cfg, True) is plain  # off by default: the JSONL writer itself
+    pytest.importorskip("tensorboard")
+    cfg = load_config(None, [f"run.dir={tmp_path}", "log.tensorboard=true"])
+    assert tbwriter.tee(plain, cfg, False) is plain  # rank 0 only
+    writer = tbwriter.tee(plain, cfg, True)
+    writer.write({"step": 3, "loss": 1.5, "val_loss": 1.7, "grad_norm": None, "tokens_per_s": 10.0})
+    writer.close()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = list((cfg.run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1
+    acc = EventAccumulator(str(events[0]))
+    acc.Reload()
+    assert sorted(acc.Tags()["scalars"]) == ["train/loss", "train/tokens_per_s", "val/loss"]
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(3, 1.5)]
+    assert (tmp_path / "m.jsonl").read_text().count('"step": 3') == 1
