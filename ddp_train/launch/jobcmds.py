@@ -207,7 +207,7 @@ def _status(job_dir: Path, data: dict[str, Any]) -> int:
             f"{s.step}/{s.total}" if s else "-",
             f"{s.loss:.4f}" if s else "-",
             f"{s.tokens_per_s:.0f}" if s else "-",
-            duration(s.eta_s()) if s and jobstate.effective_state(data) in jobstate.LIVE else "-",
+            duration(log.eta_s()) if s and jobstate.effective_state(data) in jobstate.LIVE else "-",
             f"{duration(now - log.last_line_at)} ago" if log.last_line_at else "-",
         ])  # fmt: skip
     print(table(["HOST", "RANK", "STEP", "LOSS", "TOK/S", "ETA", "LAST OUTPUT"], rows))

@@ -72,6 +72,14 @@ class HostLog:
     last_step: Step | None = None
     last_line_at: float | None = None  # epoch seconds
     last_line: str = ""
+    wall_s_per_step: float | None = None  # from the stamps of the step lines: evals, saves, waits included
+
+    def eta_s(self) -> float | None:
+        """Steps left x the wall time per step over the log's tail (else the trainer's s/step)."""
+        if self.last_step is None:
+            return None
+        left = max(0, self.last_step.total - self.last_step.step)
+        return left * self.wall_s_per_step if self.wall_s_per_step else self.last_step.eta_s()
 
 
 def read_host_log(path: Path, max_bytes: int = 4 << 20) -> HostLog:
@@ -85,17 +93,24 @@ def read_host_log(path: Path, max_bytes: int = 4 << 20) -> HostLog:
             text = f.read().decode("utf-8", "replace")
     except OSError:
         return out
-    lines = text.splitlines()
-    for line in reversed(lines):
-        if not line.strip():
-            continue
-        if out.last_line_at is None:
-            m = STAMP.match(line)
-            if m:
-                out.last_line_at = time.mktime(time.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S"))
-                out.last_line = line[m.end() :]
+    first: tuple[int, float] | None = None  # the oldest step line of the tail: (step, time)
+    last_at: float | None = None
+    for line in reversed(text.splitlines()):
+        m = STAMP.match(line)
+        at = _stamp_time(m.group(1), m.group(2)) if m else None
+        if out.last_line_at is None and m and line.strip():
+            out.last_line_at, out.last_line = at, line[m.end() :]
         step = parse_step(line)
-        if step is not None:
-            out.last_step = step
-            break
+        if step is None or at is None:
+            continue
+        if out.last_step is None:
+            out.last_step, last_at = step, at
+        elif step.step < out.last_step.step:
+            first = (step.step, at)
+    if first and out.last_step and last_at is not None and last_at > first[1]:
+        out.wall_s_per_step = (last_at - first[1]) / (out.last_step.step - first[0])
     return out
+
+
+def _stamp_time(seconds: str, fraction: str | None) -> float:
+    return time.mktime(time.strptime(seconds, "%Y-%m-%dT%H:%M:%S")) + float(fraction or 0)

@@ -52,9 +52,16 @@ def test_step_lines_give_progress_and_eta(tmp_path: Path) -> None:
     assert step.eta_s() == pytest.approx(18 * 0.25)
     assert live_line(step) == "step 12/30 loss 1.2345 1500 tok/s ETA 4s"
     log = host_log_path(tmp_path, "local0")
-    log.write_text(f"2026-01-02T03:04:05.000 [local0 r0] {STEP}\n2026-01-02T03:04:06.000 [local0 r0] other\n")
+    earlier = STEP.replace("step 12/30", "step 2/30")
+    lines = [
+        f"03:03:55.500 [local0 r0] {earlier}",
+        f"03:04:05.500 [local0 r0] {STEP}",
+        "03:04:06.000 [local0 r0] other",
+    ]
+    log.write_text("".join(f"2026-01-02T{line}\n" for line in lines))
     got = read_host_log(log)
     assert got.last_step == step and got.last_line.endswith("other") and got.last_line_at is not None
+    assert got.wall_s_per_step == pytest.approx(1.0) and got.eta_s() == pytest.approx(18.0)  # wall time
     assert parse_step("[local0 r0] ddp-train[rank 0] INFO resumed from x at step 3") is None
 
 
