@@ -236,3 +236,29 @@ def test_tensorboard_events_only_when_asked(tmp_path: Path) -> None:
     assert sorted(acc.Tags()["scalars"]) == ["train/loss", "train/tokens_per_s", "val/loss"]
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(3, 1.5)]
     assert (tmp_path / "m.jsonl").read_text().count('"step": 3') == 1
+
+
+def test_on_a_tty_one_live_status_line_stays_under_the_scrolling_lines(tmp_path: Path) -> None:
+    import io
+
+    from ddp_train.launch.logs import JobLog
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Tty()
+    log = JobLog(tmp_path, "j", console=tty)
+    log.set_live("step 12/30 loss 1.2345 1500 tok/s ETA 4s")
+    log.line("local0", "local0 r0", "hello")
+    log.close()
+    assert tty.getvalue() == (
+        "\r\x1b[Kstep 12/30 loss 1.2345 1500 tok/s ETA 4s"
+        "\r\x1b[K[local0 r0] hello\n\r\x1b[Kstep 12/30 loss 1.2345 1500 tok/s ETA 4s\r\x1b[K"
+    )
+    plain = io.StringIO()
+    log = JobLog(tmp_path, "k", console=plain)
+    log.set_live("step 1/2")
+    log.line("local0", "local0 r0", "hello")
+    log.close()
+    assert plain.getvalue() == "[local0 r0] hello\n"  # not a TTY: no live line, no escapes
