@@ -265,6 +265,8 @@ def _logs(job_dir: Path, data: dict[str, Any], follow: bool, node: str | None) -
 
 def _attach(job_dir: Path, data: dict[str, Any]) -> int:
     path = _log_file(job_dir, None)
+    # Ctrl-C must detach even when started with SIGINT ignored (a non-interactive shell's `cmd &`).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         size = path.stat().st_size
     except OSError:
