@@ -74,6 +74,7 @@ def test_detach_status_attach_stop_resume_and_a_killed_monitor(tmp_path: Path) -
         assert time.monotonic() - t0 < 60 and f"job {job} runs detached on 2 nodes" in out.stdout, out.stdout
         assert f"ddp-launch attach {job}" in out.stdout
         wait_until(lambda: stepped(tmp_path, job), 90, "a step line")
+        os.kill(state(tmp_path, job)["pid"], signal.SIGHUP)  # the terminal closed: the monitor goes on
 
         listed = launch(["jobs"], tmp_path)
         assert re.search(rf"^{job}\s+running\s+2\s+\d+/80 ", listed.stdout, re.M), listed.stdout
