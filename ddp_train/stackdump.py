@@ -10,6 +10,8 @@ DEBUG ONLY: DDP_DEBUG_STALL=RANK:STEP makes that rank block forever after finish
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import faulthandler
 import os
 import signal
@@ -31,6 +33,7 @@ def install(rank: int) -> None:
             os.makedirs(directory, exist_ok=True)
             _file = open(os.path.join(directory, f"r{rank}.txt"), "w", encoding="utf-8")  # noqa: SIM115
             faulthandler.register(signal.SIGUSR1, file=_file, all_threads=True)
+            atexit.register(_remove, directory, _file.name)
         except OSError:
             _file = None
     spec = os.environ.get(DEBUG_STALL_ENV, "")
@@ -38,6 +41,14 @@ def install(rank: int) -> None:
     _stall = (int(r), int(s)) if r.isdigit() and s.isdigit() else None
     if _stall and _stall[0] != rank:
         _stall = None
+
+
+def _remove(directory: str, path: str) -> None:
+    """At a normal exit: no dump file left behind (the watchdog reads them while the rank runs)."""
+    faulthandler.unregister(signal.SIGUSR1)
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+        os.rmdir(directory)  # the last rank of the node to leave removes the directory
 
 
 def debug_stall(step: int) -> None:

@@ -66,6 +66,10 @@ for f in "$dir"/r*.txt "$dir"/py-spy-r*.txt; do
   echo "==> ${f##*/}"
   cat "$f"
 done
+# The launcher keeps the stacks (logs/<job>/stacks/); remove this node's own (several nodes may share
+# a /tmp), then the directory once empty.
+for r in $ranks; do rm -f -- "$dir/r$r.txt" "$dir/py-spy-r$r.txt"; done
+rmdir -- "$dir" 2>/dev/null
 exit 0
 """
 
