@@ -14,18 +14,32 @@ that a stop ends as one line and an exit code instead of torchrun's traceback:
 - The shutdown timeout comes from TORCH_ELASTIC_SHUTDOWN_TIMEOUT (launcher/api.py LaunchConfig), which
   ddp-launch sets to the longest grace period it may give a stop.
 
+- The lifeline (DDP_LIFELINE_S in the environment line, set by ddp-launch): the launcher keeps this
+  command's stdin open and writes a newline every few seconds. EOF (the launcher or its monitor died, or
+  the SSH connection closed) or no byte for DDP_LIFELINE_S seconds (the controller vanished without
+  closing the TCP connection) means nobody supervises the job any more: the agent sends itself SIGTERM,
+  the path of a normal stop (every rank finishes its step, rank 0 saves, exit 143). From then on the
+  node's output, which nobody reads, goes to a file under /tmp instead of a broken pipe
+  (`lifeline_log`), so no rank dies on EPIPE while saving.
+
 Only the standard library is imported before torchrun runs (torch comes with torchrun's script).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import runpy
+import select
 import signal
 import sys
+import tempfile
+import threading
+import time
 
 ENV_LINE_LIMIT = 1 << 20  # one JSON object, the job's environment
+LIFELINE_ENV = "DDP_LIFELINE_S"  # seconds without a byte from the launcher before the node stops itself
 
 
 class _Stopped(Exception):
@@ -64,9 +78,18 @@ def main(argv: list[str]) -> int:
     except _Stopped as e:
         return _stopped_line(e.signum, started=False)
     os.environ.update(env)
+    lifeline = _Lifeline.start(env) if env.get(LIFELINE_ENV) else None
     devnull = os.open(os.devnull, os.O_RDONLY)  # workers must not hold the launcher's stdin
     os.dup2(devnull, 0)
     os.close(devnull)
+    try:
+        return _run_torchrun(argv)
+    finally:
+        if lifeline is not None:
+            lifeline.finish()
+
+
+def _run_torchrun(argv: list[str]) -> int:
     torchrun = argv[0]
     sys.argv = list(argv)
     try:
@@ -82,6 +105,107 @@ def main(argv: list[str]) -> int:
             raise
         return _stopped_line(int(sigval), started=True)
     return 0
+
+
+def lifeline_log(job_id: str) -> str:
+    """Where a node's output goes once the launcher is gone."""
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in job_id) or "job"
+    return os.path.join(tempfile.gettempdir(), f"ddp-agent-{safe}-{os.getpid()}.log")
+
+
+class _Lifeline:
+    """Watches the launcher through stdin; relays the node's output so a dead reader breaks nothing."""
+
+    def __init__(self, timeout: float, job_id: str) -> None:
+        self.timeout = timeout
+        self.job_id = job_id
+        self.stdin = os.dup(0)  # private (close-on-exec) copies: workers inherit neither
+        self.out = os.dup(1)
+        read, write = os.pipe()
+        self.relay_in = read
+        os.dup2(write, 1)  # torchrun and its workers write here; the relay thread forwards it
+        os.dup2(write, 2)
+        os.close(write)
+        self.lock = threading.Lock()
+        self.lost: str | None = None
+        self.done = False  # torchrun returned: a closing stdin means nothing any more
+        self.relay = threading.Thread(target=self._relay, name="ddp-agent-relay", daemon=True)
+        self.watch = threading.Thread(target=self._watch, name="ddp-agent-lifeline", daemon=True)
+
+    @classmethod
+    def start(cls, env: dict[str, str]) -> _Lifeline | None:
+        try:
+            timeout = float(env[LIFELINE_ENV])
+        except ValueError:
+            return None
+        if timeout <= 0:
+            return None
+        sys.stdout.flush()
+        sys.stderr.flush()
+        life = cls(timeout, os.environ.get("DDP_JOB_ID", "job"))
+        life.relay.start()
+        life.watch.start()
+        return life
+
+    def _watch(self) -> None:
+        last = time.monotonic()
+        while True:
+            ready, _, _ = select.select([self.stdin], [], [], 1.0)
+            if ready:
+                try:
+                    data = os.read(self.stdin, 4096)
+                except OSError as e:
+                    return self._lose(f"stdin: {e}")
+                if not data:
+                    return self._lose("stdin closed: the launcher (or its SSH connection) is gone")
+                last = time.monotonic()
+            elif time.monotonic() - last > self.timeout:
+                return self._lose(f"no heartbeat from the launcher for {self.timeout:g}s")
+
+    def _lose(self, why: str) -> None:
+        if self.done:
+            return
+        path = lifeline_log(self.job_id)
+        with self.lock:
+            self.lost = why
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            except OSError:
+                fd = os.open(os.devnull, os.O_WRONLY)
+            old, self.out = self.out, fd
+        msg = f"ddp-agent: lost the launcher ({why}); stopping the job with SIGTERM (every rank saves)\n"
+        for target in (old, fd):
+            with contextlib.suppress(OSError):
+                os.write(target, msg.encode())
+        os.kill(os.getpid(), signal.SIGTERM)  # torchrun's handler: the graceful stop of ddp-launch stop
+
+    def _relay(self) -> None:
+        while True:
+            try:
+                data = os.read(self.relay_in, 65536)
+            except OSError:
+                return
+            if not data:
+                return
+            with self.lock:
+                try:
+                    os.write(self.out, data)
+                except OSError:  # the reader is gone: keep the output on the node instead
+                    try:
+                        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+                        self.out = os.open(lifeline_log(self.job_id), flags, 0o600)
+                        os.write(self.out, data)
+                    except OSError:
+                        pass
+
+    def finish(self) -> None:
+        """Stop relaying: the agent's own ends of the pipe close, the relay drains what is left."""
+        self.done = True
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(self.out, 1)
+        os.dup2(self.out, 2)
+        self.relay.join(timeout=5)
 
 
 def _stopped_line(signum: int, started: bool) -> int:

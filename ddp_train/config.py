@@ -138,6 +138,7 @@ class LogConfig:
     level: str = "info"
     progress: str = "auto"
     peak_tflops: float | None = None
+    tensorboard: bool = False
 
 
 @dataclass

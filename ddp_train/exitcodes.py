@@ -6,3 +6,6 @@ BAD_INPUT = 2  # config, --set, plug-in, data file or checkpoint refused with on
 RANKS_DIFFER = 3  # training finished but the ranks' parameters are not identical
 SIGTERM = 143  # stopped by SIGTERM after saving a checkpoint (128 + 15, as a shell reports it)
 SIGINT = 130  # the same for SIGINT (Ctrl-C)
+# ddp-launch's own: the stall watchdog found no progress for --stall-timeout, dumped every rank's
+# stack to logs/<job>/stacks/ and stopped the job (launch/watchdog.py).
+STALLED = 4

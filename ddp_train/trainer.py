@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_train import checkpoint, distributed, exitcodes
+from ddp_train import checkpoint, distributed, exitcodes, stackdump, tbwriter
 from ddp_train.config import Config, ConfigError, dump_yaml
 from ddp_train.console import emit_line
 from ddp_train.data import ShardedBatches, build_dataset, build_val_dataset, resolve_vocab
@@ -389,6 +389,7 @@ class Trainer:
         bar = ProgressBar(total, show_bar and env.is_main)
         attach_progress_bar(log, bar)
         writer = JsonlWriter(cfg.run_dir / "metrics.jsonl" if env.is_main and cfg.log.jsonl else None)
+        writer = tbwriter.tee(writer, cfg, env.is_main)  # + TensorBoard when log.tensorboard
         if env.is_main:
             (cfg.run_dir / "config.yaml").write_text(dump_yaml(cfg), encoding="utf-8")
             log.info(
@@ -439,6 +440,7 @@ class Trainer:
                     stopped = self._drain()
                     self.save()
                     self._window = _Window(time.perf_counter())
+                stackdump.debug_stall(self.step)  # DDP_DEBUG_STALL: the watchdog's test only
                 if cfg.debug.step_delay_s:
                     time.sleep(cfg.debug.step_delay_s)
                     self._window.start += cfg.debug.step_delay_s  # keep throughput figures honest
@@ -568,6 +570,7 @@ def run(cfg: Config, source: str = "config") -> int:
     try:
         env = distributed.read_env()
         setup_logging(env.rank, cfg.log.level)
+        stackdump.install(env.rank)  # SIGUSR1 -> this rank's stack, for ddp-launch's stall watchdog
         device = distributed.select_device(cfg.dist, env)
         os.environ.update(flight_recorder_env(cfg.run_dir))
         distributed.init(cfg.dist, env, device)

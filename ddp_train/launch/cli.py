@@ -4,16 +4,21 @@
     ddp-launch [run] --hosts INVENTORY [--sync DIR] [options] train.py [script args]   (or -m pkg.mod)
     ddp-launch doctor --hosts INVENTORY [options]
     ddp-launch check-script [--sync DIR] [-m] SCRIPT                  (the script check alone)
+    ddp-launch [run] --detach ...; ddp-launch jobs | status JOB | logs JOB [-f] [--node H] | attach JOB |
+    stop JOB                                                          (job control: launch/jobcmds.py)
 
 Exit codes: 0 ok; 1 a node failed, could not start, or was lost; 2 bad input (with --strict: a script
-check finding); 3 preflight failed (with --strict: a backend the nodes' GPUs contradict); 124 --timeout;
+check finding); 3 preflight failed (with --strict: a backend the nodes' GPUs contradict; or another job
+runs on the same nodes and port); 4 the stall watchdog stopped the job; 124 --timeout;
 128+N stopped by signal N (130 Ctrl-C, 143 SIGTERM); after a stop every node saved.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,11 +41,16 @@ EPILOG = """examples:
   ddp-launch --hosts inventory/prod --sync . train.py --epochs 3   # your own script, shipped to every node
   ddp-launch --hosts inventory/prod --sync . -m mypkg.train --lr 3e-4
   ddp-launch check-script train.py                         # the DDP mistakes in a script, nothing runs
+  ddp-launch --hosts inventory/prod --detach               # returns once it runs; the monitor goes on
+  ddp-launch jobs; ddp-launch status JOB; ddp-launch attach JOB; ddp-launch logs JOB -f --node gpu01
+  ddp-launch stop JOB                                      # graceful: every rank saves
 
-exit codes: 0 ok; 1 a node failed, could not start or was lost; 2 bad input; 3 preflight failed;
+exit codes: 0 ok; 1 a node failed, could not start or was lost; 2 bad input; 3 preflight failed (or
+  another job runs on the same nodes and port); 4 stalled (the stall watchdog stopped the job);
   124 --timeout; 130 Ctrl-C, 143 SIGTERM (128+N for signal N). A stop lets every rank finish its step
   and save a checkpoint (run the same command again to resume); a second Ctrl-C kills at once."""
 EXIT_USAGE, EXIT_PREFLIGHT = 2, 3
+JOB_COMMANDS = ("jobs", "status", "logs", "attach", "stop")  # launch/jobcmds.py
 
 
 class _Parser(argparse.ArgumentParser):
@@ -153,6 +163,21 @@ def _parser(doctor: bool) -> argparse.ArgumentParser:
     )
     job.add_argument("--skip-preflight", action="store_true", help="launch without the preflight checks")
     job.add_argument(
+        "--detach",
+        action="store_true",
+        help="preflight, start the job, print its id and return; a background monitor (immune to SIGHUP "
+        "and to the terminal closing) runs it: ddp-launch jobs/status/logs/attach/stop JOB",
+    )
+    job.add_argument("--monitor", action="store_true", help=argparse.SUPPRESS)  # what --detach starts
+    job.add_argument(
+        "--stall-timeout",
+        type=float,
+        metavar="S",
+        help="no step for S seconds: dump every rank's stack to logs/<job>/stacks/, name the ranks whose "
+        "stack differs, stop the job, exit 4 [10 x the longest gap between step lines + the longest "
+        "save, at least 300; 0: off]",
+    )
+    job.add_argument(
         "--strict",
         action="store_true",
         help="refuse to launch when the script check finds a mistake: exit 2, or 3 for a backend the "
@@ -205,6 +230,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "check-script":
         return _check_script_command(args[1:])
+    if args and args[0] in JOB_COMMANDS:
+        from ddp_train.launch.jobcmds import main as job_command
+
+        return job_command(args[0], args[1:])
     doctor = bool(args) and args[0] == "doctor"
     if args and args[0] in ("doctor", "run"):
         args = args[1:]
@@ -220,6 +249,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         trainer_args = tail
     if doctor and trainer_args:
         return _usage("doctor takes no trainer arguments after --")
+    if not doctor and opts.detach and not opts.dry_run:
+        from ddp_train.launch.jobcmds import detach
+        from ddp_train.launch.plan import new_job_id
+
+        rest = [a for a in args if a != "--detach"] + ([] if tail is None else ["--", *tail])
+        return detach(rest, opts.job_id or new_job_id(), opts.log_dir)
     try:
         plan = _plan(opts, trainer_args, doctor)
         if doctor or not opts.dry_run:
@@ -276,6 +311,8 @@ def _plan(opts: argparse.Namespace, trainer_args: list[str], doctor: bool) -> Jo
         for flag, value in (("--grace", opts.grace), ("--timeout", opts.timeout)):
             if value is not None and value <= 0:
                 raise LaunchError(f"{flag} {value:g}: must be > 0")
+        if opts.stall_timeout is not None and opts.stall_timeout < 0:
+            raise LaunchError(f"--stall-timeout {opts.stall_timeout:g}: must be >= 0 (0: off)")
         if opts.module and not opts.script:
             raise LaunchError("-m/--module: name the module to run, as with torchrun (-m pkg.mod)")
         if opts.script and (opts.config or opts.overrides or trainer_args):
@@ -494,15 +531,37 @@ def _doctor(plan: JobPlan, opts: argparse.Namespace) -> int:
 
 
 def _launch(plan: JobPlan, opts: argparse.Namespace) -> int:
-    from ddp_train.launch import netif, rdma
+    """Run the job in this process (foreground, or as the detached monitor), its state in job.json."""
+    from ddp_train.launch import jobstate
+    from ddp_train.launch.logs import JobLog
+
+    if opts.monitor:  # the detached monitor: no terminal, so no SIGHUP; and it ignores one besides
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    log = JobLog(Path(opts.log_dir), plan.job_id, secrets=plan.secrets())
+    state = jobstate.state_path(opts.log_dir, plan.job_id)
+    busy = jobstate.conflict(opts.log_dir, plan.job_id, [p.node.name for p in plan.nodes], plan.master_port)
+    if busy:
+        log.note(f"preflight failed: {busy}; nothing was started")
+        log.close()
+        return EXIT_PREFLIGHT
+    jobstate.write_state(state, jobstate.initial_state(plan, sys.argv[1:], detached=opts.monitor))
+    code = 1
+    try:
+        code = _launch_job(plan, opts, log, state)
+        return code
+    finally:
+        jobstate.update_state(state, state="finished", exit_code=code, ended=time.time())
+
+
+def _launch_job(plan: JobPlan, opts: argparse.Namespace, log: JobLog, state: Path) -> int:
+    from ddp_train.launch import jobstate, metricsview, netif, rdma
     from ddp_train.launch.fanout import parallel
     from ddp_train.launch.job import Job
-    from ddp_train.launch.logs import JobLog
     from ddp_train.launch.plan import command
     from ddp_train.launch.preflight import run_preflight
     from ddp_train.launch.remote import RemoteError, open_session
+    from ddp_train.launch.watchdog import StallWatch
 
-    log = JobLog(Path(opts.log_dir), plan.job_id, secrets=plan.secrets())
     try:
         for p in plan.nodes:
             log.note(f"{p.label} ({p.node.where}): {command(p, masked=True)}", console=False)
@@ -566,8 +625,17 @@ def _launch(plan: JobPlan, opts: argparse.Namespace) -> int:
             connect_timeout=opts.connect_timeout,
             grace=opts.grace,
             timeout=opts.timeout,
+            on_state=lambda s: jobstate.update_state(state, state=s),
+            trap=(signal.SIGINT, signal.SIGTERM) + (() if opts.monitor else (signal.SIGHUP,)),
+            watch=StallWatch(plan.job_id, log.dir, opts.stall_timeout, lambda: job.longest_save),
         )
-        return job.run()
+        fetcher = metricsview.start(plan, plan.config, opts.overrides, log.dir, opts.connect_timeout)
+        code = job.run()
+        jobstate.update_state(state, reason=job.reason, stopped_cleanly=job.stopped_cleanly())
+        shown = metricsview.finish(fetcher, log.dir)
+        if shown:
+            log.note(shown)
+        return code
     finally:
         log.close()
 

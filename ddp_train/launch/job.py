@@ -20,10 +20,12 @@ import shlex
 import signal
 import threading
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ddp_train.launch.errors import one_line
 from ddp_train.launch.fanout import parallel
+from ddp_train.launch.lifeline import Heartbeat, node_env_line
 from ddp_train.launch.logs import JobLog, first_error, table
 from ddp_train.launch.plan import (
     PGID_MARKER,
@@ -34,6 +36,7 @@ from ddp_train.launch.plan import (
     env_line,
     shown_env,
 )
+from ddp_train.launch.progress import live_line, parse_step
 from ddp_train.launch.remote import LOST, RemoteError, Session, Stream, open_session
 
 EXIT_OK, EXIT_FAILED, EXIT_TIMEOUT = 0, 1, 124
@@ -126,8 +129,14 @@ class Job:
         connect_timeout: float = 10,
         grace: float | None = None,
         timeout: float | None = None,
+        on_state: Callable[[str], None] | None = None,
+        trap: Sequence[int] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP),
+        watch: Any = None,
     ) -> None:
         self.plan = plan
+        self.on_state = on_state or (lambda _state: None)  # job.json (launch/jobstate.py)
+        self.trap = tuple(trap)  # a detached monitor leaves SIGHUP ignored
+        self.watch = watch  # the stall watchdog (launch/watchdog.py), fed every line
         self.log = log
         self.control = dict(control or {})
         self.connect_timeout = connect_timeout
@@ -185,6 +194,17 @@ class Job:
         for t in threads:
             t.start()
         self.launched = True
+        heartbeat = Heartbeat(
+            lambda: [r.stream.send for r in self.runs if r.started and r.stream and not r.done.is_set()]
+        )
+        heartbeat.start()
+        self.on_state("running")
+        try:
+            return self._supervise()
+        finally:
+            heartbeat.stop()
+
+    def _supervise(self) -> int:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         finished = 0
         while finished < len(self.runs):
@@ -193,7 +213,12 @@ class Job:
             except queue.Empty:
                 r = None
             self._check_heartbeats()
+            if self.watch is not None and self.first is None and not self.signal:
+                stall = self.watch.check()
+                if stall:
+                    return self._stalled(stall)
             if self.signal:
+                self.on_state("stopping")
                 self.reason = self._signal_reason()
                 self._stop(signal.SIGINT if self.signal == signal.SIGINT else signal.SIGTERM)
                 return 128 + self.signal
@@ -211,11 +236,26 @@ class Job:
                     return EXIT_FAILED
                 self.log.note(f"{r.plan.label} finished: {r.status()}", console=False)
             if deadline is not None and time.monotonic() > deadline:
+                self.on_state("stopping")
                 self.reason = f"--timeout {self.timeout:g}s reached"
                 self._stop(signal.SIGTERM)
                 return EXIT_TIMEOUT
         self.reason = "every node finished"
         return EXIT_OK
+
+    def _stalled(self, stall: str) -> int:
+        """The watchdog saw no progress: collect every rank's stack, name the odd ones, tear down."""
+        self.on_state("stopping")
+        self.log.note(f"{stall}; collecting the Python stack of every rank")
+        started = [r for r in self.runs if r.started]
+        found = self.watch.collect(
+            [(r.plan, lambda cmd, r=r: self._control(r).exec(cmd, timeout=60)) for r in started]
+        )
+        self.log.note(found)
+        self.reason = f"{stall}; {found}"
+        self.first = next((r for r in self.runs if self.watch.suspect_host == r.name), None)
+        self._teardown()
+        return self.watch.EXIT_CODE
 
     # ---- per node ---------------------------------------------------------------------------------
 
@@ -237,8 +277,9 @@ class Job:
                 return
             r.stream = r.session.start(cmd, stdin=True)
             r.started = True
-            r.stream.send(env_line(r.plan))  # the environment never appears in a command line
-            r.stream.close_stdin()
+            # The environment never appears in a command line. Stdin then stays open: the lifeline
+            # (launch/lifeline.py), whose EOF or silence makes the node stop itself.
+            r.stream.send(node_env_line(env_line(r.plan), self.plan.job_id))
             self.log.note(
                 f"{r.plan.label}: started: {command(r.plan, masked=True)} (environment on stdin: "
                 f"{shown_env(r.plan)})",
@@ -249,7 +290,12 @@ class Job:
                     r.pgid = int(line.split()[1])
                     continue
                 self._measure(line)
+                if self.watch is not None:
+                    self.watch.feed(r.plan, line)
                 self.log.line(r.name, r.plan.label, line)
+                step = parse_step(line)
+                if step is not None:
+                    self.log.set_live(live_line(step))  # on a TTY: one line under the scrolling ones
             r.code, r.lost = r.stream.wait(timeout=30)
         except (RemoteError, threading.BrokenBarrierError) as e:
             r.error = one_line(str(e)) or type(e).__name__
@@ -473,7 +519,7 @@ class Job:
             self.signal_count += 1
 
         previous = {}
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for s in self.trap:
             previous[s] = signal.signal(s, handler)
         return previous
 
@@ -498,6 +544,10 @@ class Job:
             for r in self.runs
             if r.code == 0 or (r.code == sig and any(map(STOPPED.search, self.log.tail(r.name))))
         ]
+
+    def stopped_cleanly(self) -> bool:
+        """After a stop: every node ended as asked (its ranks saved), so the job can resume."""
+        return bool(self.stop_signal) and len(self._stopped_cleanly()) == len(self.runs)
 
     def _summary(self, code: int, leftovers: dict[str, list[str]], elapsed: float) -> None:
         rows = []

@@ -66,13 +66,32 @@ class JobLog:
         self._files: dict[str, IO[str]] = {}
         self._tail: dict[str, list[str]] = {}
         self._launcher = open(self.dir / "launcher.log", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self.live = ""  # the one live status line kept under the scrolling output on a TTY (set_live)
+        try:
+            self.tty = self.console.isatty()
+        except (AttributeError, ValueError):
+            self.tty = False
+
+    def set_live(self, text: str) -> None:
+        """On a TTY: show `text` as the last line, redrawn in place under the scrolling lines."""
+        if not self.tty or self.quiet:
+            return
+        with self._lock:
+            self.live = text
+            self._draw_live()
+
+    def _draw_live(self) -> None:  # with the lock held
+        if self.live:
+            self.console.write(f"\r\x1b[K{self.live}")
+            self.console.flush()
+
+    def _write(self, text: str) -> None:  # with the lock held: clear the live line, write, redraw it
+        self.console.write(f"\r\x1b[K{text}" if self.live else text)
+        self._draw_live()
+        self.console.flush()
 
     def path(self, host: str) -> Path:
-        """logs/<job>/<host>.log; a host name that is no plain file name gets a safe unique one."""
-        name = _UNSAFE.sub("_", host)
-        if name != host or name.startswith(".") or name == "launcher":  # never outside the dir, no clash
-            name = f"{name.lstrip('.') or 'host'}-{hashlib.sha256(host.encode()).hexdigest()[:8]}"
-        return self.dir / f"{name}.log"
+        return host_log_path(self.dir, host)
 
     def line(self, host: str, label: str, text: str) -> None:
         """One output line of a node."""
@@ -89,8 +108,7 @@ class JobLog:
             if len(tail) > 400:
                 del tail[:200]
             if not self.quiet:
-                self.console.write(shown + "\n")
-                self.console.flush()
+                self._write(shown + "\n")
 
     def tail(self, host: str) -> list[str]:
         with self._lock:
@@ -103,8 +121,7 @@ class JobLog:
             self._launcher.write(f"{_stamp()} {text}\n")
             self._launcher.flush()
             if console:
-                self.console.write(f"ddp-launch: {text}\n")
-                self.console.flush()
+                self._write(f"ddp-launch: {text}\n")
 
     def block(self, text: str) -> None:
         """A multi-line block (a table) for console and launcher.log."""
@@ -112,8 +129,7 @@ class JobLog:
         with self._lock:
             self._launcher.write(text + "\n")
             self._launcher.flush()
-            self.console.write(text + "\n")
-            self.console.flush()
+            self._write(text + "\n")
 
     def write_json(self, name: str, data: Any) -> Path:
         path = self.dir / name
@@ -124,9 +140,21 @@ class JobLog:
 
     def close(self) -> None:
         with self._lock:
+            if self.live:
+                self.console.write("\r\x1b[K")
+                self.live = ""
             for f in self._files.values():
                 f.close()
             self._launcher.close()
+
+
+def host_log_path(job_dir: Path, host: str) -> Path:
+    """logs/<job>/<host>.log; a host name that is no plain file name gets a safe unique one."""
+    name = _UNSAFE.sub("_", host)
+    reserved = ("launcher", "console")
+    if name != host or name.startswith(".") or name in reserved:  # never outside the dir, no clash
+        name = f"{name.lstrip('.') or 'host'}-{hashlib.sha256(host.encode()).hexdigest()[:8]}"
+    return Path(job_dir) / f"{name}.log"
 
 
 def _stamp() -> str:

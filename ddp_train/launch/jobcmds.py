@@ -1,0 +1,332 @@
+"""Job control: `ddp-launch --detach`, `jobs`, `status JOB`, `logs JOB`, `attach JOB`, `stop JOB`.
+
+A detached job runs in a monitor process: `python -m ddp_train.launch.cli run --monitor ...`, the same
+launch as a foreground run, in a new session (setsid: no controlling terminal, so closing the terminal
+sends it no SIGHUP, and it ignores SIGHUP besides), stdin from /dev/null, stdout and stderr to
+logs/<job>/console.log (what a foreground run prints). `--detach` shows that file until the job runs on
+every node (or the monitor gives up: preflight failed, ...) and returns. The job's state is in
+logs/<job>/job.json (launch/jobstate.py); `stop` sends the monitor SIGTERM, the graceful stop of a
+foreground Ctrl-C/SIGTERM (every rank finishes its step, rank 0 saves).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from ddp_train.launch import jobstate
+from ddp_train.launch.logs import host_log_path, table
+from ddp_train.launch.progress import duration, read_host_log
+
+COMMANDS = ("jobs", "status", "logs", "attach", "stop")
+EXIT_USAGE = 2
+POLL_S = 0.3
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def main(command: str, argv: Sequence[str]) -> int:
+    p = _Parser(prog=f"ddp-launch {command}", description=_DESCRIPTIONS[command])
+    p.add_argument("--log-dir", default="logs", metavar="DIR", help="where the jobs' logs are [logs]")
+    if command != "jobs":
+        p.add_argument("job", metavar="JOB", help="job id (as `ddp-launch jobs` lists it)")
+    if command == "logs":
+        p.add_argument(
+            "-f", "--follow", action="store_true", help="keep printing new lines until the job ends"
+        )
+        p.add_argument("--node", metavar="HOST", help="that node's log only")
+    if command == "stop":
+        p.add_argument("--no-wait", action="store_true", help="return once the monitor got the signal")
+    opts = p.parse_args(list(argv))
+    if command == "jobs":
+        return _jobs(Path(opts.log_dir))
+    data = jobstate.read_state(jobstate.state_path(opts.log_dir, opts.job))
+    if data is None:
+        known = ", ".join(j["job_id"] for j in jobstate.list_jobs(opts.log_dir)[-5:]) or "none"
+        print(f"ddp-launch: error: no job {opts.job!r} in {opts.log_dir}/ (recent: {known})", file=sys.stderr)
+        return EXIT_USAGE
+    job_dir = Path(opts.log_dir) / opts.job
+    if command == "status":
+        return _status(job_dir, data)
+    if command == "logs":
+        return _logs(job_dir, data, opts.follow, opts.node)
+    if command == "attach":
+        return _attach(job_dir, data)
+    return _stop(job_dir, data, opts.no_wait)
+
+
+_DESCRIPTIONS = {
+    "jobs": "List the jobs under the log directory: id, state, nodes, step, started, elapsed.",
+    "status": "One job: its state and, per node, the latest step, loss, tokens/s, ETA and last output.",
+    "logs": "Print a job's output (every node, as the launcher showed it) or one node's log.",
+    "attach": "Follow a job's output live; Ctrl-C detaches (the job keeps running).",
+    "stop": "Stop a job gracefully: every rank finishes its step, rank 0 saves a checkpoint.",
+}
+
+
+# ---- detach ---------------------------------------------------------------------------------------
+
+
+def detach(run_args: list[str], job_id: str, log_dir: str) -> int:
+    """Start the monitor in the background, show its output until the job runs, return."""
+    job_dir = Path(log_dir) / job_id
+    job_dir.mkdir(parents=True, exist_ok=True)
+    console_path = job_dir / jobstate.CONSOLE_FILE
+    state_path = job_dir / jobstate.STATE_FILE
+    if state_path.exists():
+        state_path.unlink()  # a previous run of this job id: its state is not this one's
+    with open(console_path, "ab") as console:
+        start = console.tell()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ddp_train.launch.cli", "run", "--monitor", "--job-id", job_id, *run_args],
+            stdin=subprocess.DEVNULL,
+            stdout=console,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # setsid: no controlling terminal, no SIGHUP when it closes
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            close_fds=True,
+        )
+    shown = start
+    try:
+        while True:
+            shown = _show_new(console_path, shown, sys.stdout)
+            code = proc.poll()
+            data = jobstate.read_state(state_path) or {}
+            if data.get("state") in ("running", "stopping", "finished") or code is not None:
+                break
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        os.kill(proc.pid, signal.SIGTERM)
+        print(f"\nddp-launch: interrupted; stopping job {job_id} (monitor pid {proc.pid})", file=sys.stderr)
+        return 130
+    if code is not None:  # the monitor ended before the job ran (preflight failed, bad input ...)
+        time.sleep(POLL_S)
+        _show_new(console_path, shown, sys.stdout)
+        return code
+    print(
+        f"ddp-launch: job {job_id} runs detached on {len(data.get('nodes') or [])} nodes (monitor pid "
+        f"{proc.pid}); its output: {console_path}\n"
+        f"  ddp-launch status {job_id}    ddp-launch attach {job_id}    ddp-launch logs {job_id} -f\n"
+        f"  ddp-launch stop {job_id}      (add --log-dir {log_dir} when not run from this directory)",
+        flush=True,
+    )
+    return 0
+
+
+def _show_new(path: Path, offset: int, out: IO[str]) -> int:
+    """Print what was appended to path since offset (whole lines only); the new offset."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except OSError:
+        return offset
+    cut = data.rfind(b"\n") + 1
+    if cut:
+        out.write(data[:cut].decode("utf-8", "replace"))
+        out.flush()
+    return offset + cut
+
+
+# ---- jobs / status --------------------------------------------------------------------------------
+
+
+def _master_log(job_dir: Path, data: dict[str, Any]) -> Path | None:
+    nodes = data.get("nodes") or []
+    master = next((n for n in nodes if n.get("rank") == 0), None)
+    return host_log_path(job_dir, master["host"]) if master else None
+
+
+def _elapsed(data: dict[str, Any]) -> float | None:
+    started = data.get("started")
+    if not isinstance(started, (int, float)):
+        return None
+    return float(data.get("ended") or time.time()) - started
+
+
+def _state_text(data: dict[str, Any]) -> str:
+    state = jobstate.effective_state(data)
+    if state == "finished":
+        return f"finished (exit {data.get('exit_code')})"
+    return state
+
+
+def _jobs(log_dir: Path) -> int:
+    rows = []
+    for data in jobstate.list_jobs(log_dir):
+        path = _master_log(Path(data["dir"]), data)
+        step = read_host_log(path).last_step if path else None
+        rows.append([
+            data["job_id"],
+            _state_text(data),
+            len(data.get("nodes") or []),
+            f"{step.step}/{step.total}" if step else "-",
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(data.get("started") or 0)),
+            duration(_elapsed(data)),
+        ])  # fmt: skip
+    if not rows:
+        print(f"no jobs in {log_dir}/")
+        return 0
+    print(table(["JOB", "STATE", "NODES", "STEP", "STARTED", "ELAPSED"], rows))
+    return 0
+
+
+def _status(job_dir: Path, data: dict[str, Any]) -> int:
+    state = _state_text(data)
+    print(
+        f"job {data['job_id']}: {state}, started "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(data.get('started') or 0))}, elapsed "
+        f"{duration(_elapsed(data))}, monitor pid {data.get('pid')}"
+        f"{' (detached)' if data.get('detached') else ''}, master "
+        f"{data.get('master_addr')}:{data.get('master_port')}"
+    )
+    if data.get("reason"):
+        print(f"reason: {data['reason']}")
+    if jobstate.effective_state(data) == "lost":
+        print(
+            "the monitor is gone (killed?); every node stops its job by itself within "
+            "30s of losing it (ddp_train/agent.py lifeline) and saves a checkpoint"
+        )
+    rows = []
+    now = time.time()
+    for n in data.get("nodes") or []:
+        log = read_host_log(host_log_path(job_dir, n["host"]))
+        s = log.last_step
+        rows.append([
+            n["host"], n.get("rank"),
+            f"{s.step}/{s.total}" if s else "-",
+            f"{s.loss:.4f}" if s else "-",
+            f"{s.tokens_per_s:.0f}" if s else "-",
+            duration(log.eta_s()) if s and jobstate.effective_state(data) in jobstate.LIVE else "-",
+            f"{duration(now - log.last_line_at)} ago" if log.last_line_at else "-",
+        ])  # fmt: skip
+    print(table(["HOST", "RANK", "STEP", "LOSS", "TOK/S", "ETA", "LAST OUTPUT"], rows))
+    print("(step, loss, tok/s: rank 0's latest step line; every rank is at the same step under DDP)")
+    from ddp_train.launch.metricsview import refresh
+
+    for line in refresh(job_dir, data):
+        print(line)
+    return 0
+
+
+# ---- logs / attach --------------------------------------------------------------------------------
+
+
+def _log_file(job_dir: Path, node: str | None) -> Path:
+    if node:
+        return host_log_path(job_dir, node)
+    console = job_dir / jobstate.CONSOLE_FILE
+    return console if console.exists() else job_dir / "launcher.log"
+
+
+def _follow(path: Path, job_dir: Path, offset: int) -> int:
+    """Print path's new lines until the job is no longer live; the job's exit code (or 0)."""
+    state_path = job_dir / jobstate.STATE_FILE
+    while True:
+        offset = _show_new(path, offset, sys.stdout)
+        data = jobstate.read_state(state_path) or {}
+        state = jobstate.effective_state(data)
+        if state not in jobstate.LIVE:
+            time.sleep(POLL_S)
+            _show_new(path, offset, sys.stdout)
+            if state == "lost":
+                print("ddp-launch: the job's monitor is gone (killed?); the nodes stop by themselves")
+                return 1
+            return int(data.get("exit_code") or 0)
+        time.sleep(POLL_S)
+
+
+def _logs(job_dir: Path, data: dict[str, Any], follow: bool, node: str | None) -> int:
+    if node and node not in {n.get("host") for n in data.get("nodes") or []}:
+        hosts = ", ".join(str(n.get("host")) for n in data.get("nodes") or [])
+        print(
+            f"ddp-launch: error: --node {node}: not a node of job {data['job_id']} ({hosts})", file=sys.stderr
+        )
+        return EXIT_USAGE
+    path = _log_file(job_dir, node)
+    if not follow:
+        _show_new(path, 0, sys.stdout)
+        return 0
+    try:
+        return _follow(path, job_dir, 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _attach(job_dir: Path, data: dict[str, Any]) -> int:
+    path = _log_file(job_dir, None)
+    # Ctrl-C must detach even when started with SIGINT ignored (a non-interactive shell's `cmd &`).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        size = path.stat().st_size
+    except OSError:
+        size = 0
+    tail_from = _tail_offset(path, size, 20)
+    print(f"ddp-launch: attached to job {data['job_id']} ({_state_text(data)}); Ctrl-C detaches, the job "
+          f"keeps running (ddp-launch stop {data['job_id']} stops it)", flush=True)  # fmt: skip
+    try:
+        return _follow(path, job_dir, tail_from)
+    except KeyboardInterrupt:
+        print(f"\nddp-launch: detached from job {data['job_id']}; it keeps running", flush=True)
+        return 0
+
+
+def _tail_offset(path: Path, size: int, lines: int) -> int:
+    """The offset of the last `lines` lines of path."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, size - 65536))
+            chunk = f.read(size - f.tell())
+    except OSError:
+        return 0
+    base = size - len(chunk)
+    cut = len(chunk)
+    for _ in range(lines + 1):
+        cut = chunk.rfind(b"\n", 0, cut)
+        if cut < 0:
+            return base
+    return base + cut + 1
+
+
+# ---- stop -----------------------------------------------------------------------------------------
+
+
+def _stop(job_dir: Path, data: dict[str, Any], no_wait: bool) -> int:
+    state = jobstate.effective_state(data)
+    job_id = data["job_id"]
+    if state == "lost":
+        print(f"ddp-launch: job {job_id}: its monitor (pid {data.get('pid')}) is gone; the nodes stop by "
+              "themselves within 30s of losing it (lifeline), saving a checkpoint")  # fmt: skip
+        return 1
+    if state not in jobstate.LIVE:
+        print(f"ddp-launch: job {job_id} is not running ({_state_text(data)})")
+        return 0
+    pid = int(data["pid"])
+    path = _log_file(job_dir, None)
+    offset = path.stat().st_size if path.exists() else 0
+    os.kill(pid, signal.SIGTERM)
+    print(f"ddp-launch: sent SIGTERM to job {job_id}'s monitor (pid {pid}): every rank finishes its step "
+          "and saves", flush=True)  # fmt: skip
+    if no_wait:
+        return 0
+    state_path = job_dir / jobstate.STATE_FILE
+    if data.get("detached"):
+        _follow(path, job_dir, offset)
+    else:  # a foreground job: its own terminal shows the stop
+        while jobstate.effective_state(jobstate.read_state(state_path) or {}) in jobstate.LIVE:
+            time.sleep(POLL_S)
+    final = jobstate.read_state(state_path) or {}
+    if final.get("exit_code") == 0 or final.get("stopped_cleanly"):
+        return 0
+    print(f"ddp-launch: job {job_id} did not stop cleanly: {_state_text(final)}", file=sys.stderr)
+    return 1

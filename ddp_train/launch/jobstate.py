@@ -1,0 +1,119 @@
+"""A job's state in files under logs/<job>/ (no daemon): job.json, written by the process that runs it.
+
+job.json holds the job id, the pid of the launcher or detached monitor running it, its state
+(starting, running, stopping, then finished with an exit code), the nodes (host, rank, address), the
+master address and port, the start time, the working directory and the command. A job whose state is
+not final while its pid is gone is reported "lost" (the monitor was killed; the nodes stop themselves,
+see launch/lifeline.py). Two jobs on the same node and port are refused by `conflict`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+STATE_FILE = "job.json"
+CONSOLE_FILE = "console.log"  # a detached monitor's stdout and stderr: what a foreground run prints
+LIVE = ("starting", "running", "stopping")
+
+
+def state_path(log_dir: Path | str, job_id: str) -> Path:
+    return Path(log_dir) / job_id / STATE_FILE
+
+
+def write_state(path: Path, data: dict[str, Any]) -> None:
+    """Atomically (temp file + rename): a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+def update_state(path: Path, **fields: Any) -> dict[str, Any]:
+    data = read_state(path) or {}
+    data.update(fields)
+    write_state(path, data)
+    return data
+
+
+def read_state(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def pid_alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped) no longer runs anything
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def effective_state(data: dict[str, Any]) -> str:
+    """The recorded state, or "lost" when it says live but its process is gone."""
+    state = str(data.get("state") or "unknown")
+    if state in LIVE and not pid_alive(data.get("pid")):
+        return "lost"
+    return state
+
+
+def list_jobs(log_dir: Path | str) -> list[dict[str, Any]]:
+    """Every job with a job.json under log_dir, oldest first (each with "state" made effective)."""
+    jobs = []
+    root = Path(log_dir)
+    if not root.is_dir():
+        return []
+    for path in root.glob(f"*/{STATE_FILE}"):
+        data = read_state(path)
+        if data and data.get("job_id"):
+            data["state"] = effective_state(data)
+            data["dir"] = str(path.parent)
+            jobs.append(data)
+    jobs.sort(key=lambda d: (float(d.get("started") or 0), str(d["job_id"])))
+    return jobs
+
+
+def conflict(log_dir: Path | str, job_id: str, hosts: Iterable[str], port: int) -> str | None:
+    """One line naming a live job of log_dir that uses one of these hosts and the same master port."""
+    wanted = set(hosts)
+    for job in list_jobs(log_dir):
+        if job["job_id"] == job_id or job["state"] not in LIVE or job.get("master_port") != port:
+            continue
+        shared = sorted(wanted & {n.get("host") for n in job.get("nodes") or []} - {None})
+        if shared:
+            return (
+                f"job {job['job_id']} (pid {job.get('pid')}, {job['state']}) already runs on "
+                f"{', '.join(shared)} with master port {port}: stop it (ddp-launch stop {job['job_id']}) "
+                "or pick another --master-port"
+            )
+    return None
+
+
+def initial_state(plan: Any, argv: list[str], detached: bool) -> dict[str, Any]:
+    return {
+        "job_id": plan.job_id,
+        "pid": os.getpid(),
+        "state": "starting",
+        "detached": detached,
+        "started": time.time(),
+        "cwd": os.getcwd(),
+        "argv": argv,
+        "master_addr": plan.master_addr,
+        "master_port": plan.master_port,
+        "nodes": [{"host": p.node.name, "rank": p.rank, "where": p.node.where} for p in plan.nodes],
+    }

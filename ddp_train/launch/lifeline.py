@@ -1,0 +1,56 @@
+"""The launcher's side of the node agent's lifeline and stack dumps (see ddp_train/agent.py).
+
+Every node's command keeps its stdin open for the whole job; a thread writes a newline to each every
+LIFELINE_BEAT_S seconds. The agent stops its node gracefully (SIGTERM to torchrun: every rank finishes
+its step, rank 0 saves) when stdin reaches EOF (the monitor died: immediately, as its pipe or TCP
+connection closes) or when no byte came for LIFELINE_S seconds (the controller vanished silently). So a
+node trains unsupervised for at most LIFELINE_S seconds, plus its stop (one step and one save).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Sequence
+
+from ddp_train.agent import LIFELINE_ENV
+
+LIFELINE_S = 30  # the documented bound: seconds without a heartbeat before a node stops itself
+LIFELINE_BEAT_S = 5.0
+STACK_DIR_ENV = "DDP_STACK_DIR"  # the trainer registers a faulthandler dump into $DDP_STACK_DIR/r<rank>.txt
+
+
+def stack_dir(job_id: str) -> str:
+    """Where each node's ranks write their stack on SIGUSR1 (node-local; the launcher fetches it)."""
+    return f"/tmp/ddp-stacks-{job_id}"
+
+
+def node_env_line(base: bytes, job_id: str) -> bytes:
+    """The node agent's environment line with the lifeline and the stack directory added."""
+    env = json.loads(base)
+    env[LIFELINE_ENV] = str(LIFELINE_S)
+    env.setdefault(STACK_DIR_ENV, stack_dir(job_id))
+    return (json.dumps(env, ensure_ascii=True) + "\n").encode()
+
+
+class Heartbeat:
+    """One thread writing a newline to every started node's stdin until stopped."""
+
+    def __init__(self, senders: Callable[[], Sequence[Callable[[bytes], None]]]) -> None:
+        self.senders = senders
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._beat, name="lifeline", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _beat(self) -> None:
+        while not self.stopped.wait(LIFELINE_BEAT_S):
+            for send in self.senders():
+                try:
+                    send(b"\n")
+                except Exception:  # noqa: BLE001, S112 - a node that went away is its node thread's business
+                    continue

@@ -1,0 +1,178 @@
+"""Rank 0's metrics where a person can look at them: logs/<job>/metrics.jsonl and metrics.png.
+
+The monitor copies rank 0's <run dir>/metrics.jsonl (the packaged trainer's; a user script has none
+the launcher knows of) from the master node into logs/<job>/ every FETCH_EVERY_S seconds and at the
+end of the job. `ddp-launch status` re-reads it (straight from the file when the master is this
+machine) and renders logs/<job>/metrics.png: loss and tokens/s against step, with matplotlib (optional
+extra: pip install 'ddp-train[plot]'; without it, one line says so).
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import shlex
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+FETCH_EVERY_S = 30.0
+PLOT_HINT = "pip install 'ddp-train[plot]' (or: pip install matplotlib)"
+
+
+def metrics_location(plan: Any, config: str | None, overrides: Any) -> dict[str, Any] | None:
+    """{"host", "path", "local"} of rank 0's metrics.jsonl for the packaged trainer; None otherwise."""
+    if plan.script:
+        return None
+    try:
+        from ddp_train.config import ConfigError, load_config
+
+        cfg = load_config(config, list(overrides))
+    except (ImportError, ConfigError):
+        return None
+    if not cfg.log.jsonl:
+        return None
+    master = plan.master
+    run_dir = posixpath.join(cfg.run.dir, cfg.run.name)
+    if not posixpath.isabs(run_dir) and not run_dir.startswith("~"):
+        run_dir = posixpath.join(master.cwd or ".", run_dir)
+    return {
+        "host": master.node.name,
+        "path": posixpath.join(run_dir, "metrics.jsonl"),
+        "local": master.node.local,
+    }
+
+
+class Fetcher:
+    """Copies rank 0's metrics into logs/<job>/metrics.jsonl now and then, and once at the end."""
+
+    def __init__(self, where: dict[str, Any], node: Any, dest: Path, connect_timeout: float = 10) -> None:
+        self.where, self.node, self.dest, self.connect_timeout = where, node, dest, connect_timeout
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="metrics", daemon=True)
+        self.session: Any = None
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self.stopped.wait(FETCH_EVERY_S):
+            self.fetch()
+
+    def fetch(self) -> bool:
+        try:
+            if self.where.get("local"):
+                src = Path(self.where["path"]).expanduser()
+                if not src.is_file():
+                    return False
+                tmp = self.dest.with_suffix(".tmp")
+                shutil.copyfile(src, tmp)
+                tmp.replace(self.dest)
+                return True
+            from ddp_train.launch.remote import open_session
+
+            if self.session is None or not self.session.alive():
+                self.session = open_session(self.node, self.connect_timeout)
+            code, out = self.session.exec(shlex.join(["cat", "--", self.where["path"]]), timeout=60)
+        except Exception:  # noqa: BLE001 - metrics are a convenience: never disturb the job
+            return False
+        if code != 0 or not out:
+            return False
+        tmp = self.dest.with_suffix(".tmp")
+        tmp.write_text(out if out.endswith("\n") else out + "\n", encoding="utf-8")
+        tmp.replace(self.dest)
+        return True
+
+    def stop(self) -> None:
+        """The final copy; closes the connection."""
+        self.stopped.set()
+        self.fetch()
+        if self.session is not None:
+            self.session.close()
+
+
+def start(plan: Any, config: str | None, overrides: Any, job_dir: Path, connect_timeout: float) -> Any:
+    """The monitor's fetcher of rank 0's metrics (None for a user script); job.json records where."""
+    where = metrics_location(plan, config, overrides)
+    if where is None:
+        return None
+    from ddp_train.launch import jobstate
+
+    jobstate.update_state(job_dir / jobstate.STATE_FILE, metrics=where)
+    fetcher = Fetcher(where, plan.master.node, job_dir / "metrics.jsonl", connect_timeout)
+    fetcher.start()
+    return fetcher
+
+
+def finish(fetcher: Any, job_dir: Path) -> str | None:
+    """At the job's end: the last copy of rank 0's metrics and the PNG; a line to log."""
+    if fetcher is None:
+        return None
+    fetcher.stop()
+    records = read_records(job_dir / "metrics.jsonl")
+    if not records:
+        return f"metrics: nothing to fetch from {fetcher.where['host']}:{fetcher.where['path']}"
+    return f"metrics: {job_dir / 'metrics.jsonl'} ({len(records)} records); " + render_png(
+        records, job_dir / "metrics.png"
+    )
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    records = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line being written
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            records.append(rec)
+    return records
+
+
+def render_png(records: list[dict[str, Any]], png: Path) -> str:
+    """Loss and tokens/s against step as a small PNG; one line saying what happened."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"plot: matplotlib is not installed: {PLOT_HINT}"
+    steps = [r["step"] for r in records]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6, 4), sharex=True, dpi=80)
+    top.plot(steps, [r.get("loss") for r in records], label="loss")
+    if any("val_loss" in r for r in records):
+        val = [r for r in records if "val_loss" in r]
+        top.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="val_loss")
+    top.set_ylabel("loss")
+    top.legend(loc="upper right")
+    bottom.plot(steps, [r.get("tokens_per_s") for r in records], color="tab:green")
+    bottom.set_ylabel("tokens/s")
+    bottom.set_xlabel("step")
+    fig.tight_layout()
+    tmp = png.with_suffix(".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(png)
+    return f"plot: {png}"
+
+
+def refresh(job_dir: Path, data: dict[str, Any]) -> list[str]:
+    """Update logs/<job>/metrics.jsonl (a local master's file directly) and the PNG; lines to show."""
+    where = data.get("metrics")
+    dest = job_dir / "metrics.jsonl"
+    if where and where.get("local"):
+        Fetcher(where, None, dest).fetch()
+    records = read_records(dest)
+    if not records:
+        return [] if not where else [f"metrics: none yet ({where['host']}:{where['path']})"]
+    last = records[-1]
+    return [
+        f"metrics: {dest} ({len(records)} records, last step {last['step']}, from {where and where['host']})",
+        render_png(records, job_dir / "metrics.png"),
+    ]

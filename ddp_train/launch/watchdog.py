@@ -1,0 +1,206 @@
+"""The stall watchdog: no step for --stall-timeout seconds -> every rank's stack, the odd ranks named.
+
+The launcher already reads every node's lines; rank 0's step lines (launch/progress.py) are the job's
+progress, since DDP keeps every rank at the same step. The watchdog arms at the first step line. Its
+timeout is --stall-timeout, else STALL_FACTOR x the longest gap seen between two step lines plus the
+longest checkpoint save, at least STALL_FLOOR_S (a save or an evaluation must not look like a stall).
+
+On a stall it asks every node, through its control connection, for the stack of each rank: SIGUSR1 to
+every worker of the job that handles it (the trainer registers a faulthandler dump, all threads, into
+$DDP_STACK_DIR/r<rank>.txt: ddp_train/stackdump.py) and `py-spy dump` where py-spy is installed (native
+frames too). The stacks land in logs/<job>/stacks/<host>-r<rank>.txt. The main thread's frames
+(function names, innermost first) are compared: the ranks outside the largest group of identical stacks
+are named; with no single largest group, the ranks not waiting in a collective are. The job is then torn
+down and ddp-launch exits STALLED (4).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ddp_train import exitcodes
+from ddp_train.launch.lifeline import stack_dir
+from ddp_train.launch.progress import duration, parse_step
+
+STALL_FLOOR_S = 300.0
+STALL_FACTOR = 10.0
+# Frames of a rank that waits for its peers (torch.distributed, DDP's reducer in backward, our all-reduce).
+WAITING = re.compile(r"all_reduce|allreduce|all_gather|broadcast|barrier|\bwait\b|backward|_engine_run")
+FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+) in (\S+)')
+THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+")
+
+# Runs on a node: list the job's workers of this node (RANK in their environment, GROUP_RANK = the node
+# rank: local nodes share one /proc) in this network namespace,
+# SIGUSR1 each one whose SigCgt mask says it handles it (bit 9: SIGUSR1 = 10; an unhandled SIGUSR1
+# would kill the process), py-spy where installed, then print every dump.
+STACK_SCRIPT = r"""
+id=$1; dir=$2; node=$3; ranks=""
+mkdir -p "$dir"
+me=$(readlink /proc/self/ns/net)
+for f in $(grep -lxzsF -- "DDP_JOB_ID=$id" /proc/[0-9]*/environ 2>/dev/null); do
+  p=${f#/proc/}; p=${p%/environ}
+  [ "$(readlink "/proc/$p/ns/net" 2>/dev/null)" = "$me" ] || continue
+  grep -qxzF -- "GROUP_RANK=$node" "$f" 2>/dev/null || continue
+  rank=$(tr '\0' '\n' < "$f" 2>/dev/null | sed -n 's/^RANK=//p')
+  [ -n "$rank" ] || continue
+  echo "WORKER $p $rank"
+  ranks="$ranks $rank"
+  cgt=$(sed -n 's/^SigCgt:[[:space:]]*//p' "/proc/$p/status" 2>/dev/null)
+  [ -n "$cgt" ] && [ $(( (0x$cgt >> 9) & 1 )) = 1 ] && kill -USR1 "$p" 2>/dev/null
+  if command -v py-spy >/dev/null 2>&1; then
+    timeout 20 py-spy dump --pid "$p" > "$dir/py-spy-r$rank.txt" 2>&1 &
+  fi
+done
+sleep 2
+wait
+for f in "$dir"/r*.txt "$dir"/py-spy-r*.txt; do
+  [ -f "$f" ] || continue
+  r=${f##*r}; r=${r%.txt}
+  case " $ranks " in *" $r "*) ;; *) continue ;; esac
+  echo "==> ${f##*/}"
+  cat "$f"
+done
+# The launcher keeps the stacks (logs/<job>/stacks/); remove this node's own (several nodes may share
+# a /tmp), then the directory once empty.
+for r in $ranks; do rm -f -- "$dir/r$r.txt" "$dir/py-spy-r$r.txt"; done
+rmdir -- "$dir" 2>/dev/null
+exit 0
+"""
+
+
+class StallWatch:
+    EXIT_CODE = exitcodes.STALLED
+
+    def __init__(self, job_id: str, log_dir: Path, timeout: float | None, longest_save: Callable[[], float]):
+        self.job_id = job_id
+        self.dir = Path(log_dir) / "stacks"
+        self.explicit = timeout
+        self.longest_save = longest_save
+        self.last_step: int | None = None
+        self.last_at: float | None = None
+        self.longest_gap = 0.0
+        self.suspect_host: str | None = None
+
+    def timeout(self) -> float:
+        if self.explicit:
+            return self.explicit
+        return max(STALL_FLOOR_S, STALL_FACTOR * self.longest_gap + self.longest_save())
+
+    def feed(self, plan: Any, line: str) -> None:
+        step = parse_step(line)
+        if step is None:
+            return
+        now = time.monotonic()
+        if self.last_step is None or step.step > self.last_step:
+            if self.last_at is not None:
+                self.longest_gap = max(self.longest_gap, now - self.last_at)
+            self.last_step, self.last_at = step.step, now
+
+    def check(self) -> str | None:
+        if self.explicit == 0 or self.last_at is None:
+            return None
+        quiet, limit = time.monotonic() - self.last_at, self.timeout()
+        if quiet <= limit:
+            return None
+        how = "--stall-timeout" if self.explicit else "derived from the step time"
+        return (
+            f"stall: no rank advanced past step {self.last_step} for {duration(quiet)} "
+            f"(limit {limit:.0f}s, {how})"
+        )
+
+    def collect(self, nodes: Sequence[tuple[Any, Callable[[str], tuple[int, str]]]]) -> str:
+        """Fetch, save and compare every rank's stack; one line naming the odd ranks."""
+        from ddp_train.launch.fanout import parallel
+
+        def one(item: tuple[Any, Callable[[str], tuple[int, str]]]) -> str:
+            plan, run = item
+            args = [self.job_id, stack_dir(self.job_id), str(plan.rank)]
+            cmd = shlex.join(["sh", "-c", STACK_SCRIPT, "ddp-stacks", *args])
+            try:
+                return run(cmd)[1]
+            except Exception as e:  # noqa: BLE001 - one unreachable node must not stop the others
+                return f"ERROR {e}"
+
+        outputs = parallel(one, list(nodes))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        stacks: dict[tuple[str, int], str] = {}
+        for (plan, _), out in zip(nodes, outputs):
+            for rank, text in split_dumps(out).items():
+                stacks[(plan.node.name, rank)] = text
+                path = self.dir / f"{plan.node.name}-r{rank}.txt"
+                path.write_text(text, encoding="utf-8")
+        if not stacks:
+            return f"no stack could be collected (see {self.dir})"
+        odd = odd_ranks({k: main_frames(v) for k, v in stacks.items()})
+        if not odd:
+            return f"every rank shows the same stack (in {self.dir})"
+        self.suspect_host = odd[0][0]
+        named = "; ".join(f"rank {rank} on {host} ({innermost(stacks[(host, rank)])})" for host, rank in odd)
+        return f"stack differs from the majority: {named}; stacks in {self.dir}"
+
+
+def split_dumps(output: str) -> dict[int, str]:
+    """STACK_SCRIPT's output -> {rank: its faulthandler dump (+ py-spy's)}."""
+    dumps: dict[int, str] = {}
+    current: tuple[int, str] | None = None
+    for line in output.splitlines():
+        m = re.match(r"^==> (py-spy-)?r(\d+)\.txt$", line)
+        if m:
+            current = (int(m.group(2)), "py-spy" if m.group(1) else "faulthandler")
+            dumps.setdefault(current[0], "")
+            dumps[current[0]] += f"--- {current[1]} ---\n"
+            continue
+        if current is not None:
+            dumps[current[0]] += line + "\n"
+    return dumps
+
+
+def main_frames(dump: str) -> tuple[str, ...]:
+    """The main thread's functions, innermost first, from a faulthandler dump (line numbers left out)."""
+    threads: list[list[str]] = []
+    section = ""
+    for line in dump.splitlines():
+        if line.startswith("--- "):
+            section = line
+            continue
+        if section != "--- faulthandler ---":
+            continue
+        if THREAD.match(line):
+            threads.append([])
+            continue
+        m = FRAME.match(line)
+        if m and threads:
+            threads[-1].append(f"{m.group(3)} ({Path(m.group(1)).name})")
+    main = [t for t in threads if t and "<module>" in t[-1]]
+    return tuple((main or threads or [[]])[0])
+
+
+def odd_ranks(signatures: dict[tuple[str, int], tuple[str, ...]]) -> list[tuple[str, int]]:
+    """The ranks whose stack differs from the majority; on a tie, those not waiting in a collective."""
+    counts = Counter(signatures.values())
+    if len(counts) < 2:
+        return []
+    ranked = counts.most_common()
+    if ranked[0][1] > ranked[1][1]:
+        odd = [k for k, sig in signatures.items() if sig != ranked[0][0]]
+    else:
+        odd = [k for k, sig in signatures.items() if not any(WAITING.search(f) for f in sig)]
+    return sorted(odd, key=lambda k: (k[1], k[0]))
+
+
+def innermost(dump: str) -> str:
+    """The innermost frame of the main thread, as `func (file:line)`."""
+    for line in dump.splitlines():
+        m = FRAME.match(line)
+        if m:
+            frames = main_frames(dump)
+            if frames:
+                return f"innermost frame {frames[0]}"
+            return f"innermost frame {m.group(3)} ({Path(m.group(1)).name}:{m.group(2)})"
+    return "no stack"

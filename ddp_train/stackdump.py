@@ -1,0 +1,62 @@
+"""Stacks on demand for ddp-launch's stall watchdog, and its debug stall (ddp_train/launch/watchdog.py).
+
+`install(rank)`: when DDP_STACK_DIR is set (ddp-launch sets it), SIGUSR1 makes this rank write the
+Python stack of all its threads to $DDP_STACK_DIR/r<rank>.txt (faulthandler: works even while the main
+thread is blocked in C code such as a collective; https://docs.python.org/3/library/faulthandler.html).
+
+DEBUG ONLY: DDP_DEBUG_STALL=RANK:STEP makes that rank block forever after finishing step STEP (in
+`debug_stall_block`), so its peers hang in the next collective: how the watchdog is tested.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import faulthandler
+import os
+import signal
+import time
+from typing import IO
+
+STACK_DIR_ENV = "DDP_STACK_DIR"
+DEBUG_STALL_ENV = "DDP_DEBUG_STALL"
+_file: IO[str] | None = None
+_stall: tuple[int, int] | None = None
+
+
+def install(rank: int) -> None:
+    """Register the SIGUSR1 dump (when asked) and read the debug stall option."""
+    global _file, _stall
+    directory = os.environ.get(STACK_DIR_ENV)
+    if directory and _file is None:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            _file = open(os.path.join(directory, f"r{rank}.txt"), "w", encoding="utf-8")  # noqa: SIM115
+            faulthandler.register(signal.SIGUSR1, file=_file, all_threads=True)
+            atexit.register(_remove, directory, _file.name)
+        except OSError:
+            _file = None
+    spec = os.environ.get(DEBUG_STALL_ENV, "")
+    r, _, s = spec.partition(":")
+    _stall = (int(r), int(s)) if r.isdigit() and s.isdigit() else None
+    if _stall and _stall[0] != rank:
+        _stall = None
+
+
+def _remove(directory: str, path: str) -> None:
+    """At a normal exit: no dump file left behind (the watchdog reads them while the rank runs)."""
+    faulthandler.unregister(signal.SIGUSR1)
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+        os.rmdir(directory)  # the last rank of the node to leave removes the directory
+
+
+def debug_stall(step: int) -> None:
+    """Called after every step: blocks when the debug stall names this rank and step."""
+    if _stall is not None and step == _stall[1]:
+        debug_stall_block()
+
+
+def debug_stall_block() -> None:
+    while True:  # the frame the watchdog's stacks show for the stuck rank
+        time.sleep(3600)

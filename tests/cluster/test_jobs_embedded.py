@@ -1,0 +1,139 @@
+"""Job control on local nodes (the embedded inventory, on a free port), through the console script:
+--detach, jobs, status, attach (Ctrl-C only detaches), a second job on the same nodes and port refused,
+stop (every rank saves), the resume (detached) whose monitor is SIGKILLed (every node stops by itself
+and saves). The stall watchdog's test runs on the testbed (test_jobs_testbed.py: three ranks, a
+majority to differ from)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from ddp_train import checkpoint
+from tests.cluster.test_launch_testbed import job_pids
+from tests.reliability.support import LAUNCH, job_id, local_inventory
+
+pytestmark = pytest.mark.slow
+
+SLOW = ["--set", "train.max_steps=80", "--set", "debug.step_delay_s=0.3", "--set", "log.interval_steps=2"]
+
+
+def launch(args: list[str], cwd: Path, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [LAUNCH, *args], cwd=cwd, env=dict(os.environ, OMP_NUM_THREADS="1", **env),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def state(cwd: Path, job: str) -> dict:
+    return json.loads((cwd / "logs" / job / "job.json").read_text())
+
+
+def wait_until(check, timeout: float, what: str) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def stepped(cwd: Path, job: str, at_least: int = 2) -> bool:
+    log = cwd / "logs" / job / "local0.log"
+    steps = re.findall(r"INFO step (\d+)/", log.read_text()) if log.exists() else []
+    return bool(steps) and int(steps[-1]) >= at_least
+
+
+def cleanup(cwd: Path, job: str) -> None:
+    try:
+        pid = state(cwd, job).get("pid")
+        os.kill(pid, signal.SIGKILL)
+    except (OSError, ValueError, TypeError):
+        pass
+    for pid, _ in job_pids(job):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_detach_status_attach_stop_resume_and_a_killed_monitor(tmp_path: Path) -> None:
+    inv = local_inventory(tmp_path)
+    base = ["--hosts", str(inv), "--set", f"run.dir={tmp_path / 'runs'}"]
+    job = job_id("det")
+    try:
+        t0 = time.monotonic()
+        out = launch([*base, *SLOW, "--detach", "--job-id", job], tmp_path)
+        assert out.returncode == 0, out.stdout
+        assert time.monotonic() - t0 < 60 and f"job {job} runs detached on 2 nodes" in out.stdout, out.stdout
+        assert f"ddp-launch attach {job}" in out.stdout
+        wait_until(lambda: stepped(tmp_path, job), 90, "a step line")
+        os.kill(state(tmp_path, job)["pid"], signal.SIGHUP)  # the terminal closed: the monitor goes on
+
+        listed = launch(["jobs"], tmp_path)
+        assert re.search(rf"^{job}\s+running\s+2\s+\d+/80 ", listed.stdout, re.M), listed.stdout
+        status = launch(["status", job], tmp_path)
+        assert status.returncode == 0 and f"job {job}: running" in status.stdout, status.stdout
+        assert re.search(r"^local0\s+0\s+\d+/80\s+\d+\.\d{4}\s+\d+\s+\S+\s+\S+ ago$", status.stdout, re.M)
+
+        other = launch([*base, "--set", "train.max_steps=2", "--job-id", job_id("two")], tmp_path, timeout=60)
+        assert other.returncode == 3, other.stdout
+        assert re.search(rf"preflight failed: job {job} \(pid \d+, running\) already runs on local0, local1",
+                         other.stdout), other.stdout  # fmt: skip
+
+        attach = subprocess.Popen([LAUNCH, "attach", job], cwd=tmp_path, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        assert attach.stdout is not None
+        seen = []
+        for line in attach.stdout:
+            seen.append(line)
+            if re.search(r"\[local0 r0\] .*INFO step \d+/80", line):
+                break
+        attach.send_signal(signal.SIGINT)
+        rest = attach.communicate(timeout=20)[0]
+        assert attach.returncode == 0 and f"detached from job {job}; it keeps running" in rest, seen + [rest]
+        assert state(tmp_path, job)["state"] == "running"
+
+        stop = launch(["stop", job], tmp_path)
+        assert stop.returncode == 0, stop.stdout
+        m = re.search(
+            rf"job {job} stopped \(received SIGTERM\) after step (\d+), checkpoint saved", stop.stdout
+        )
+        assert m, stop.stdout
+        step = int(m.group(1))
+        assert state(tmp_path, job)["exit_code"] == 143 and job_pids(job) == []
+        ckpts = tmp_path / "runs" / "default" / "checkpoints"
+        assert checkpoint.list_checkpoints(ckpts)[-1][0] == step
+        assert "finished (exit 143)" in launch(["jobs"], tmp_path).stdout
+    finally:
+        cleanup(tmp_path, job)
+
+    # The resume, detached too; then its monitor is SIGKILLed: every node stops by itself and saves.
+    resumed = job_id("res")
+    try:
+        out = launch([*base, *SLOW, "--detach", "--job-id", resumed], tmp_path, TMPDIR=str(tmp_path))
+        assert out.returncode == 0, out.stdout
+        wait_until(lambda: stepped(tmp_path, resumed, step + 2), 90, "a step line after the resume")
+        resumed_at = rf"INFO resumed from \S+step-{step:08d}\.pt at step {step}"
+        assert re.search(resumed_at, log_of(tmp_path, resumed)), log_of(tmp_path, resumed)
+        os.kill(state(tmp_path, resumed)["pid"], signal.SIGKILL)
+        wait_until(lambda: job_pids(resumed) == [], 45, "every process of the job to end")
+        assert re.search(rf"^{resumed}\s+lost\s", launch(["jobs"], tmp_path).stdout, re.M)
+        agent_logs = "".join(p.read_text() for p in tmp_path.glob(f"ddp-agent-{resumed}-*.log"))
+        assert agent_logs.count("lost the launcher (stdin closed") == 2, agent_logs
+        m = re.search(r"ddp-train: stopped rank=0 world=2 step=(\d+) signal=SIGTERM", agent_logs)
+        assert m and int(m.group(1)) > step, agent_logs
+        assert checkpoint.list_checkpoints(ckpts)[-1][0] == int(m.group(1))
+    finally:
+        cleanup(tmp_path, resumed)
+
+
+def log_of(cwd: Path, job: str) -> str:
+    path = cwd / "logs" / job / "console.log"
+    return path.read_text() if path.exists() else ""

@@ -1,0 +1,264 @@
+"""Job control pieces without a cluster: job.json state, the conflict check, step lines, the stall
+watchdog's stack comparison, and the node agent's lifeline (a real agent process, a fake torchrun)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddp_train.launch import jobstate
+from ddp_train.launch.cli import main
+from ddp_train.launch.logs import host_log_path
+from ddp_train.launch.progress import live_line, parse_step, read_host_log
+from ddp_train.launch.watchdog import StallWatch, main_frames, odd_ranks, split_dumps
+
+STEP = "12:00:01 ddp-train[rank 0] INFO step 12/30 loss 1.2345 lr 0.001 1500 tok/s 0.250 s/step"
+
+
+def _job(log_dir: Path, job_id: str, pid: int, state: str = "running", port: int = 29500) -> None:
+    jobstate.write_state(
+        jobstate.state_path(log_dir, job_id),
+        {"job_id": job_id, "pid": pid, "state": state, "master_port": port, "started": time.time(),
+         "nodes": [{"host": "local0", "rank": 0}, {"host": "local1", "rank": 1}]},
+    )  # fmt: skip
+
+
+def test_a_live_job_on_the_same_nodes_and_port_is_named_and_a_dead_one_is_lost(tmp_path: Path) -> None:
+    _job(tmp_path, "a", os.getpid())
+    line = jobstate.conflict(tmp_path, "b", ["local1", "other"], 29500)
+    assert line and line.startswith("job a (pid ") and "local1" in line and "ddp-launch stop a" in line
+    assert jobstate.conflict(tmp_path, "b", ["local1"], 29501) is None  # another port
+    assert jobstate.conflict(tmp_path, "b", ["x"], 29500) is None  # other nodes
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    _job(tmp_path, "c", dead.pid, port=29600)
+    assert [(j["job_id"], j["state"]) for j in jobstate.list_jobs(tmp_path)] == [
+        ("a", "running"),
+        ("c", "lost"),
+    ]
+    assert jobstate.conflict(tmp_path, "d", ["local0"], 29600) is None  # a lost job blocks nothing
+
+
+def test_step_lines_give_progress_and_eta(tmp_path: Path) -> None:
+    step = parse_step(f"[local0 r0] {STEP}")
+    assert step is not None and (step.step, step.total, step.tokens_per_s) == (12, 30, 1500.0)
+    assert step.eta_s() == pytest.approx(18 * 0.25)
+    assert live_line(step) == "step 12/30 loss 1.2345 1500 tok/s ETA 4s"
+    log = host_log_path(tmp_path, "local0")
+    earlier = STEP.replace("step 12/30", "step 2/30")
+    lines = [
+        f"03:03:55.500 [local0 r0] {earlier}",
+        f"03:04:05.500 [local0 r0] {STEP}",
+        "03:04:06.000 [local0 r0] other",
+    ]
+    log.write_text("".join(f"2026-01-02T{line}\n" for line in lines))
+    got = read_host_log(log)
+    assert got.last_step == step and got.last_line.endswith("other") and got.last_line_at is not None
+    assert got.wall_s_per_step == pytest.approx(1.0) and got.eta_s() == pytest.approx(18.0)  # wall time
+    assert parse_step("[local0 r0] ddp-train[rank 0] INFO resumed from x at step 3") is None
+
+
+def test_job_commands_report_unknown_jobs_and_list_jobs(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    _job(tmp_path, "j1", os.getpid())
+    host_log_path(tmp_path / "j1", "local0").write_text(f"2026-01-02T03:04:05.000 [local0 r0] {STEP}\n")
+    assert main(["jobs", "--log-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "j1" in out and "running" in out and "12/30" in out
+    assert main(["status", "--log-dir", str(tmp_path), "j1"]) == 0
+    out = capsys.readouterr().out
+    assert "job j1: running" in out and "local0  0" in out and "1.2345" in out
+    assert main(["status", "--log-dir", str(tmp_path), "nope"]) == 2
+    assert "no job 'nope'" in capsys.readouterr().err
+    assert main(["logs", "--log-dir", str(tmp_path), "j1", "--node", "zz"]) == 2
+
+
+WAITER = """--- faulthandler ---
+Thread 0x00007f01 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 320 in wait
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+Current thread 0x00007f00 (most recent call first):
+  File "/x/torch/autograd/graph.py", line 824 in _engine_run_backward
+  File "/x/torch/_tensor.py", line 626 in backward
+  File "/x/ddp_train/trainer.py", line 370 in train_step
+  File "/x/ddp_train/trainer.py", line 412 in fit
+  File "/x/ddp_train/__main__.py", line 70 in <module>
+"""
+STUCK = WAITER.replace(
+    '  File "/x/torch/autograd/graph.py", line 824 in _engine_run_backward\n'
+    '  File "/x/torch/_tensor.py", line 626 in backward\n'
+    '  File "/x/ddp_train/trainer.py", line 370 in train_step\n',
+    '  File "/x/ddp_train/stackdump.py", line 55 in debug_stall_block\n'
+    '  File "/x/ddp_train/stackdump.py", line 51 in debug_stall\n',
+)
+
+
+def test_the_stall_watchdog_names_the_rank_whose_stack_differs() -> None:
+    out = f"WORKER 11 0\n==> r0.txt\n{WAITER.split(chr(10), 1)[1]}==> r1.txt\n{STUCK.split(chr(10), 1)[1]}"
+    dumps = split_dumps(out)
+    assert sorted(dumps) == [0, 1] and "debug_stall_block" in dumps[1]
+    assert main_frames(dumps[1])[0] == "debug_stall_block (stackdump.py)"
+    sigs = {("a", 0): main_frames(dumps[0]), ("b", 1): main_frames(dumps[1])}
+    assert odd_ranks(sigs) == [("b", 1)]  # a tie: the rank not waiting in a collective
+    sigs[("c", 2)] = sigs[("b", 1)]
+    sigs[("d", 3)] = sigs[("b", 1)]
+    assert odd_ranks(sigs) == [("a", 0)]  # the minority, whatever it does
+    assert odd_ranks({("a", 0): sigs[("a", 0)]}) == []
+
+
+def test_the_stall_timeout_is_derived_from_the_step_gaps_with_a_floor() -> None:
+    watch = StallWatch("j", Path("/nonexistent"), None, lambda: 0.0)
+    assert watch.check() is None  # not armed before the first step line
+    watch.feed(None, STEP)
+    assert watch.timeout() == 300.0 and watch.check() is None
+    explicit = StallWatch("j", Path("/nonexistent"), 0.2, lambda: 0.0)
+    explicit.feed(None, STEP)
+    time.sleep(0.3)
+    assert "no rank advanced past step 12" in (explicit.check() or "")
+    off = StallWatch("j", Path("/nonexistent"), 0, lambda: 0.0)
+    off.feed(None, STEP)
+    assert off.check() is None
+
+
+FAKE_TORCHRUN = """
+import sys, time
+print("fake torchrun running", flush=True)
+for _ in range(600):
+    time.sleep(0.1)
+    print("tick", flush=True)
+"""
+
+
+def _agent(tmp_path: Path, lifeline: str) -> subprocess.Popen:
+    script = tmp_path / "torchrun"
+    script.write_text(FAKE_TORCHRUN)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddp_train.agent", str(script)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env=dict(os.environ, TMPDIR=str(tmp_path)),
+    )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write((json.dumps({"DDP_LIFELINE_S": lifeline, "DDP_JOB_ID": "lt"}) + "\n").encode())
+    proc.stdin.flush()
+    assert proc.stdout.readline() == b"fake torchrun running\n"
+    return proc
+
+
+def test_the_agent_stops_its_node_when_the_launchers_stdin_closes(tmp_path: Path) -> None:
+    proc = _agent(tmp_path, "30")
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.close()  # the launcher died
+    t0 = time.monotonic()
+    out = proc.stdout.read().decode()
+    proc.wait(timeout=20)
+    assert proc.returncode == 143 and time.monotonic() - t0 < 5, out
+    assert "lost the launcher (stdin closed" in out
+
+
+def test_the_agent_stops_without_heartbeats_and_keeps_its_output_when_nobody_reads(tmp_path: Path) -> None:
+    proc = _agent(tmp_path, "2")
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdout.close()  # nobody reads any more; stdin stays open but silent (a vanished controller)
+    t0 = time.monotonic()
+    proc.wait(timeout=20)
+    assert proc.returncode == 143 and 1.5 < time.monotonic() - t0 < 8
+    logs = list(tmp_path.glob("ddp-agent-lt-*.log"))
+    assert len(logs) == 1 and "no heartbeat from the launcher for 2s" in logs[0].read_text()
+    proc.stdin.close()
+
+
+def test_a_heartbeat_keeps_the_agent_running(tmp_path: Path) -> None:
+    proc = _agent(tmp_path, "1")
+    assert proc.stdin is not None
+    try:
+        for _ in range(6):
+            time.sleep(0.4)
+            proc.stdin.write(b"\n")
+            proc.stdin.flush()
+        assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+        proc.stdin.close()
+        proc.stdout.close()
+    assert proc.returncode == 143
+
+
+def test_metrics_render_a_png_or_say_how_to_get_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ddp_train.launch import metricsview
+
+    records = [{"step": s, "loss": 2.0 / s, "tokens_per_s": 1000.0 + s} for s in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in records) + '{"step": 6, "lo'
+    )
+    assert metricsview.read_records(tmp_path / "metrics.jsonl") == records  # a half-written line is skipped
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed
+    line = metricsview.render_png(records, tmp_path / "metrics.png")
+    assert (
+        line
+        == "plot: matplotlib is not installed: pip install 'ddp-train[plot]' (or: pip install matplotlib)"
+    )
+    monkeypatch.undo()
+    pytest.importorskip("matplotlib")  # dev extras install it (pyproject), so CI runs the rest
+    assert metricsview.render_png(records, tmp_path / "metrics.png") == f"plot: {tmp_path / 'metrics.png'}"
+    assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tensorboard_events_only_when_asked(tmp_path: Path) -> None:
+    from ddp_train import tbwriter
+    from ddp_train.config import load_config
+    from ddp_train.metrics import JsonlWriter
+
+    cfg = load_config(None, [f"run.dir={tmp_path}"])
+    plain = JsonlWriter(tmp_path / "m.jsonl")
+    assert tbwriter.tee(plain, cfg, True) is plain  # off by default: the JSONL writer itself
+    pytest.importorskip("tensorboard")
+    cfg = load_config(None, [f"run.dir={tmp_path}", "log.tensorboard=true"])
+    assert tbwriter.tee(plain, cfg, False) is plain  # rank 0 only
+    writer = tbwriter.tee(plain, cfg, True)
+    writer.write({"step": 3, "loss": 1.5, "val_loss": 1.7, "grad_norm": None, "tokens_per_s": 10.0})
+    writer.close()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = list((cfg.run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1
+    acc = EventAccumulator(str(events[0]))
+    acc.Reload()
+    assert sorted(acc.Tags()["scalars"]) == ["train/loss", "train/tokens_per_s", "val/loss"]
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(3, 1.5)]
+    assert (tmp_path / "m.jsonl").read_text().count('"step": 3') == 1
+
+
+def test_on_a_tty_one_live_status_line_stays_under_the_scrolling_lines(tmp_path: Path) -> None:
+    import io
+
+    from ddp_train.launch.logs import JobLog
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Tty()
+    log = JobLog(tmp_path, "j", console=tty)
+    log.set_live("step 12/30 loss 1.2345 1500 tok/s ETA 4s")
+    log.line("local0", "local0 r0", "hello")
+    log.close()
+    assert tty.getvalue() == (
+        "\r\x1b[Kstep 12/30 loss 1.2345 1500 tok/s ETA 4s"
+        "\r\x1b[K[local0 r0] hello\n\r\x1b[Kstep 12/30 loss 1.2345 1500 tok/s ETA 4s\r\x1b[K"
+    )
+    plain = io.StringIO()
+    log = JobLog(tmp_path, "k", console=plain)
+    log.set_live("step 1/2")
+    log.line("local0", "local0 r0", "hello")
+    log.close()
+    assert plain.getvalue() == "[local0 r0] hello\n"  # not a TTY: no live line, no escapes
