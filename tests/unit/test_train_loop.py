@@ -250,10 +250,12 @@ def test_a_signal_mid_run_saves_and_exits_128_plus_signal(tmp_path, capsys, sig,
     assert signal.getsignal(sig) == before  # the previous handler is back
 
 
-def test_stop_votes_decode_to_one_signal_for_every_rank():
+def test_stop_flags_decode_to_one_signal_for_every_rank():
     stop = StopRequest()
-    assert stop.vote(4) == 0 and StopRequest.decode(0, 4) is None
+    assert stop.flags() == [0.0, 0.0] and StopRequest.decode(0, 0) is None
     stop.signum = signal.SIGTERM
-    assert StopRequest.decode(stop.vote(4) * 3, 4) == signal.SIGTERM  # three ranks got SIGTERM
+    assert stop.flags() == [1.0, 0.0]
+    assert StopRequest.decode(3, 0) == signal.SIGTERM  # three ranks got SIGTERM
     stop.signum = signal.SIGINT
-    assert StopRequest.decode(stop.vote(4) + 3, 4) == signal.SIGINT  # SIGINT on one, SIGTERM on three
+    assert stop.flags() == [0.0, 1.0]
+    assert StopRequest.decode(3, 1) == signal.SIGINT  # SIGINT on one, SIGTERM on three: SIGINT wins
