@@ -21,6 +21,7 @@ def _fp32_logits(logits: torch.Tensor) -> torch.Tensor:
     explicit .float() would only add a (B, T, V) fp32 copy: ~3 GB at B=16, T=1024, V=50304."""
     return logits if torch.is_autocast_enabled(logits.device.type) else logits.float()
 
+
 class MLP(nn.Module):
     """Feed-forward classifier: n_layers x (Linear, GELU, Dropout), then a Linear head."""
 
