@@ -341,7 +341,8 @@ class _Guarded(Dataset):
 
     def __getitems__(self, indices: list[int]) -> Any:
         try:
-            return [self.dataset[i] for i in indices]
+            batched = getattr(self.dataset, "__getitems__", None)  # a plug-in's own batched read
+            return batched(indices) if batched else [self.dataset[i] for i in indices]
         except ConfigError as exc:
             return _LoadFailure(exc.source, exc.field, exc.message)
 
