@@ -8,6 +8,7 @@ import os
 import socket
 import struct
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from test_train_loop import metrics, train
 
-from ddp_train import distributed, exitcodes, meter, trainer
+from ddp_train import checkpoint, distributed, exitcodes, meter, trainer
 from ddp_train.config import ConfigError, load_config
 from ddp_train.data import ShardedBatches, TokenFile
 from ddp_train.meter import StepMeter
@@ -269,7 +270,7 @@ def test_bad_token_file_in_a_worker_is_one_line_and_exit_2(tmp_path, capsys):
 # --- 7 + refactor: resume broadcast into the ranks' own tensors; object collectives from torch -------
 
 
-def _two_ranks(rank: int, port: int, out: dict) -> None:
+def _two_ranks(rank: int, port: int, out: dict, tmp: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
@@ -289,6 +290,17 @@ def _two_ranks(rank: int, port: int, out: dict) -> None:
             out["weight"] = model.weight.detach().tolist()
             out["rng"] = got["rng"][0].tolist()
             out["gathered"], out["header"] = gathered, header
+        # restore from the node that has the checkpoint (here rank 1, each rank its own directory)
+        directory = Path(tmp) / f"node{rank}"
+        if rank == 1:
+            w = {"weight": torch.full((2, 3), 3.0), "bias": torch.zeros(2)}
+            parts = {"optimizer": {}, "scheduler": {}, "data": {}, "rng": [], "config": {}}
+            checkpoint.save({"format": checkpoint.FORMAT, "step": 5, "model": w, **parts}, directory, 5)
+        fresh = torch.nn.Linear(3, 2)
+        ckpt = checkpoint.Checkpointer(directory, rank=rank, local_rank=0)
+        state, path, src, _host = ckpt.restore(torch.device("cpu"), into={"model": fresh.state_dict()})
+        if rank == 0:
+            out["restored"] = (Path(path).name, src, fresh.weight.detach().tolist(), state["step"])
     finally:
         dist.destroy_process_group()
 
@@ -299,11 +311,13 @@ def test_resume_broadcast_lands_in_the_model_tensors_and_objects_travel(tmp_path
         port = s.getsockname()[1]
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_two_ranks, args=(port, out), nprocs=2, join=True)
+        mp.spawn(_two_ranks, args=(port, out, str(tmp_path)), nprocs=2, join=True)
         out = dict(out)
     assert out["into_params"] and out["weight"] == [[7.0] * 3] * 2  # no separate copy on rank 1
     assert out["rng"] == [0, 1, 2, 3]
     assert out["gathered"] == [{"rank": 0}, {"rank": 1}] and out["header"] == {"path": "x.pt"}
+    # rank 0 had no checkpoint: rank 1 loaded its own and broadcast it into rank 0's model tensors
+    assert out["restored"] == ("step-00000005.pt", 1, [[3.0] * 3] * 2, 5)
 
 
 # --- 2: one long-lived loader with workers, resumable bit-exactly ------------------------------------
