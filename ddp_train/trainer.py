@@ -350,10 +350,10 @@ class Trainer:
                 self.step += 1
                 # Mean loss, grad norm and stop flags (a SIGTERM on any rank stops every rank after the
                 # same step) travel in one small async all-reduce, read one step later (StepMeter).
-                flags = self._flags
-                flags[0].fill_(self.stop.flags()[0])
-                flags[1].fill_(self.stop.flags()[1])
-                stats = torch.cat([torch.stack([loss, gnorm]), flags])
+                sigterm, sigint = self.stop.flags()
+                self._flags[0].fill_(sigterm)
+                self._flags[1].fill_(sigint)
+                stats = torch.cat([torch.stack([loss, gnorm]), self._flags])
                 finished = meter.pop()
                 meter.push(
                     self.step,
