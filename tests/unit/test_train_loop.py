@@ -54,7 +54,8 @@ def test_gpt_learns_the_markov_task(tmp_path, capsys):
     records = metrics(tmp_path)
     assert records[0]["loss"] > 3.8  # ln(64) = 4.16 at init
     assert records[-1]["loss"] < 2.6  # the chain's entropy is ~0.94 nats
-    assert records[-1]["tokens_per_s"] == pytest.approx(records[-1]["samples_per_s"] * 32)
+    # both rounded to 3 decimals: on a loaded machine (~10 samples/s) that is a 1e-4 relative difference
+    assert records[-1]["tokens_per_s"] == pytest.approx(records[-1]["samples_per_s"] * 32, rel=1e-3)
     assert finals(out)[0][0] == 40
 
 
