@@ -3,8 +3,11 @@
     python bench/gpu_bench.py matmul            # G1 bf16 matmul 8192^3 TFLOP/s vs the device's peak
     python bench/gpu_bench.py trainer-vs-minimal  # G2 our trainer vs a nanoGPT-style loop, GPT-124M
     torchrun --standalone --nproc-per-node 1 bench/gpu_bench.py ddp-vs-bare   # G3 DDP(ws=1, nccl) vs bare
+    python bench/gpu_bench.py stats-sync        # G4 step time: .tolist() of the stats every step vs StepMeter
+    python bench/gpu_bench.py loader            # G5 loader-alone tokens/s (workers 0 / N) vs the trainer's
+    python bench/gpu_bench.py logits-memory     # G6 peak memory of a step: logits.float() copy vs none
 
-bench/gpu.sh runs all three in under 5 minutes. Same model, batch, precision and compile setting on
+bench/gpu.sh runs them all in about 7 minutes. Same model, batch, precision and compile setting on
 both sides of every ratio; throughput is the median over timed steps after warm-up (and compilation).
 """
 
@@ -27,9 +30,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from common import ratio_line  # noqa: E402
 
+from ddp_train import models  # noqa: E402
 from ddp_train.config import load_config  # noqa: E402
-from ddp_train.data import build_dataset  # noqa: E402
-from ddp_train.metrics import mfu, peak_flops  # noqa: E402
+from ddp_train.data import (  # noqa: E402
+    ShardedBatches,
+    TokenFile,
+    build_dataset,  # noqa: E402
+)
+from ddp_train.meter import StepMeter  # noqa: E402
+from ddp_train.metrics import JsonlWriter, ProgressBar, mfu, peak_flops  # noqa: E402
 from ddp_train.models import build_model, flops_per_token  # noqa: E402
 from ddp_train.optim import build_optimizer  # noqa: E402
 
@@ -45,6 +54,7 @@ SMOKE_SETS = [
     "train.precision=fp32",
     "train.compile=false",
     "data.synthetic.num_samples=256",
+    "data.num_workers=1",
 ]
 
 
@@ -243,14 +253,149 @@ def cmd_ddp_vs_bare(a: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def _amp(dev: torch.device, cfg):
+    return (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if dev.type == "cuda" and cfg.train.precision == "bf16"
+        else contextlib.nullcontext()
+    )
+
+
+def cmd_stats_sync(a: argparse.Namespace) -> None:
+    """G4: issue 14 item 1. The old loop read its stats with .tolist() every step (a host-device sync
+    that leaves the GPU idle while Python prepares the next step); StepMeter reads them one step late
+    from pinned memory after an event. Same model and batch; wall time of N steps, one sync at the end."""
+    dev = device()
+    cfg = bench_config(a.smoke)
+    cfg.train.compile = False  # the same eager step on both sides; compilation is G2's business
+    steps, warmup = (6, 2) if a.smoke else (40, 10)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg).to(dev)
+    opt = build_optimizer(model, cfg.train, dev)
+    x = torch.randint(cfg.model.gpt.vocab_size, (cfg.train.batch_size, cfg.model.gpt.block_size), device=dev)
+    results: dict[str, list[float]] = {}
+    for mode in ("sync", "meter", "sync2", "meter2"):  # ABAB against drift
+        meter = StepMeter(dev.type == "cuda", ProgressBar(0, False), JsonlWriter(None))
+        for i in range(warmup + steps):
+            if i == warmup:
+                sync(dev)
+                t0 = time.perf_counter()
+            with _amp(dev, cfg):
+                loss = model(x, x)
+            loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            stats = torch.stack([loss.detach().float(), gnorm.float()])
+            if mode.startswith("sync"):
+                stats.tolist()
+            else:
+                meter.pop()
+                meter.push(i, 0, 0.0, 0, stats, None)
+        meter.pop()
+        sync(dev)
+        results.setdefault(mode.rstrip("2"), []).append((time.perf_counter() - t0) / steps)
+    with_sync, without = statistics.median(results["sync"]), statistics.median(results["meter"])
+    print(f"step time: .tolist() every step {with_sync * 1e3:.2f} ms, StepMeter {without * 1e3:.2f} ms")
+    print(ratio_line("G4", "step_sync/step_meter", "step_time", with_sync / without, steps=steps))
+
+
+def _token_file(path: Path, cfg, blocks: int) -> Path:
+    g = torch.Generator().manual_seed(0)
+    vocab = min(int(cfg.model.gpt.vocab_size), 50257)
+    n = blocks * cfg.model.gpt.block_size + 1
+    path.write_bytes(
+        torch.randint(vocab, (n,), generator=g, dtype=torch.int32).to(torch.uint16).numpy().tobytes()
+    )
+    return path
+
+
+def cmd_loader(a: argparse.Namespace) -> None:
+    """G5: issue 14 item 2. Tokens/s the loader alone delivers from a token file (workers 0, and the
+    config's persistent, pinned, prefetching workers) against the trainer's tokens/s on the same file:
+    ratio loader(workers)/trainer > 1 means the GPU, not the loader, sets the pace."""
+    cfg = bench_config(a.smoke)
+    dev = device()
+    bs, t = cfg.train.batch_size, cfg.model.gpt.block_size
+    batches = 60 if a.smoke else 400
+    with tempfile.TemporaryDirectory(prefix="gpu-bench-tokens-") as tmp:
+        path = _token_file(Path(tmp) / "train.bin", cfg, bs * (batches + 10))
+        rates = {}
+        for workers in (0, cfg.data.num_workers):
+            ds = TokenFile(str(path), t, int(cfg.model.gpt.vocab_size))
+            sb = ShardedBatches(ds, bs, 0, 1, cfg.seed, num_workers=workers, pin_memory=dev.type == "cuda")
+            sb.next()  # workers started
+            t0 = time.perf_counter()
+            for _ in range(batches):
+                x, y = sb.next()
+                x.to(dev, non_blocking=True)
+            sync(dev)
+            rates[workers] = batches * bs * t / (time.perf_counter() - t0)
+            sb.close()
+        sets = [*(SMOKE_SETS if a.smoke else GPU_SETS), "data.name=tokens", f"data.tokens.path={path}"]
+        if not a.smoke:
+            sets.append("train.compile=false")  # a short run: compilation would dominate it
+        steps = 15 if a.smoke else 40
+        train_tok, _ = trainer_run(sets, steps, a.smoke)
+    w = cfg.data.num_workers
+    print(
+        f"loader alone: {rates[0]:.0f} tok/s with 0 workers, {rates[w]:.0f} with {w}; "
+        f"trainer {train_tok:.0f} tok/s"
+    )
+    print(
+        ratio_line(
+            "G5", "loader/trainer", "tokens_s", rates[w] / train_tok, workers=w, loader_w0=f"{rates[0]:.0f}"
+        )
+    )
+
+
+def cmd_logits_memory(a: argparse.Namespace) -> None:
+    """G6: issue 14 item 5. Peak memory of one forward+backward with the old explicit logits.float()
+    against the loss as autocast computes it (CUDA memory stats; on CPU the ratio is nan)."""
+    dev = device()
+    cfg = bench_config(a.smoke)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg).to(dev)
+    x = torch.randint(cfg.model.gpt.vocab_size, (cfg.train.batch_size, cfg.model.gpt.block_size), device=dev)
+    peaks = {}
+    real = models._fp32_logits
+    for mode, fn in (("float_copy", lambda logits: logits.float()), ("autocast", real)):
+        models._fp32_logits = fn
+        try:
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(dev)
+            with _amp(dev, cfg):
+                loss = model(x, x)
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            sync(dev)
+            peaks[mode] = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
+        finally:
+            models._fp32_logits = real
+    print(
+        f"peak memory of a step: with logits.float() {peaks['float_copy']:.2f} GiB, "
+        f"without {peaks['autocast']:.2f} GiB"
+    )
+    print(
+        ratio_line("G6", "mem_float_copy/mem_autocast", "peak_gib", peaks["float_copy"] / peaks["autocast"])
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("check", choices=["matmul", "trainer-vs-minimal", "ddp-vs-bare"])
+    checks = {
+        "matmul": cmd_matmul,
+        "trainer-vs-minimal": cmd_trainer_vs_minimal,
+        "ddp-vs-bare": cmd_ddp_vs_bare,
+        "stats-sync": cmd_stats_sync,
+        "loader": cmd_loader,
+        "logits-memory": cmd_logits_memory,
+    }
+    p.add_argument("check", choices=list(checks))
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks the script, not the GPU")
     a = p.parse_args()
-    {"matmul": cmd_matmul, "trainer-vs-minimal": cmd_trainer_vs_minimal, "ddp-vs-bare": cmd_ddp_vs_bare}[
-        a.check
-    ](a)
+    checks[a.check](a)
 
 
 if __name__ == "__main__":

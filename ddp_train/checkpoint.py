@@ -11,14 +11,18 @@ from __future__ import annotations
 import logging
 import os
 import re
+import socket
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ddp_train import distributed
 from ddp_train.config import ConfigError
+from ddp_train.text import one_line
 
 FORMAT = "ddp-train-checkpoint/1"
 REQUIRED_KEYS = ("format", "step", "model", "optimizer", "scheduler", "data", "rng", "config")
@@ -124,22 +128,19 @@ def verify(path: Path) -> None:
         raise CorruptCheckpoint(path, f"corrupt checkpoint (CRC mismatch in {bad})")
 
 
-def _brief(exc: BaseException, limit: int = 160) -> str:
-    text = " ".join(str(exc).split())
-    marker = "WeightsUnpickler error: "  # torch's weights_only refusal buries the reason in a long text
-    if marker in text:
-        text = text.split(marker, 1)[1]
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def load(path: Path) -> dict[str, Any]:
-    """Verify and load one checkpoint on CPU (weights_only: plain data and tensors only)."""
+    """Verify and load one checkpoint on CPU (weights_only: plain data and tensors only).
+
+    mmap=True: the tensors are views of the file's pages (private, copy-on-write), read as they are
+    used instead of all copied into memory first (torch.load docs, `mmap`); files are only ever
+    replaced by rename, never written in place, so a mapping stays valid.
+    """
     verify(path)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means the file is unusable
         raise CorruptCheckpoint(
-            path, f"cannot load ({type(exc).__name__}: {' '.join(str(exc).split())})"
+            path, f"cannot load ({type(exc).__name__}: {one_line(str(exc), None)})"
         ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CorruptCheckpoint(path, f"not a ddp-train checkpoint (expected format {FORMAT!r})")
@@ -173,3 +174,114 @@ def load_latest(directory: Path) -> tuple[dict[str, Any], Path] | None:
             directory, f"no usable checkpoint ({len(corrupt)} corrupt; newest: {corrupt[0][1]})"
         )
     return None
+
+
+class Checkpointer:
+    """The save/resume protocol of a run, over a state dict; every rank calls save() and restore().
+
+    Checkpoints are written on rank 0's node only (atomically, keep_latest_k rotation). After a restart
+    in which another node became rank 0 (c10d orders nodes by address) they may live on a node that is
+    now rank 3. So on restore one rank per node (LOCAL_RANK 0) lists its directory, the newest step wins
+    (rank 0 on a tie, e.g. a shared directory), and that rank loads, checks and broadcasts it straight
+    into the other ranks' tensors (distributed.broadcast_state): no shared disk, no CPU copy per rank.
+    Long I/O on one rank is waited for on the store (distributed.wait_for_io), not in a collective.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        rank: int,
+        local_rank: int,
+        resume: str = "auto",
+        keep_latest_k: int = 0,
+        io_timeout_s: float = 1800.0,
+        save_delay_s: float = 0.0,
+    ) -> None:
+        self.directory, self.rank, self.local_rank = directory, rank, local_rank
+        self.resume, self.keep_latest_k = resume, keep_latest_k
+        self.io_timeout_s, self.save_delay_s = io_timeout_s, save_delay_s
+
+    def newest_step(self) -> int | None:
+        """This node's newest checkpoint step (by name; its contents are checked when it is loaded)."""
+        if self.resume == "never":
+            existing = list_checkpoints(self.directory)
+            if existing:
+                raise ConfigError(
+                    "config",
+                    "checkpoint.resume",
+                    f"'never' but {self.directory} already holds {len(existing)} checkpoint(s) up to "
+                    f"{existing[-1][1].name}; use another run.name or checkpoint.dir, or delete them",
+                )
+            return None
+        for tmp in remove_stale_temps(self.directory):
+            log.warning("removed %s left by an interrupted save", tmp.name)
+        found = list_checkpoints(self.directory)
+        return found[-1][0] if found else None
+
+    def restore(
+        self, device: Any, into: dict[str, Any] | None = None
+    ) -> tuple[dict[str, Any], str, int, str | None] | None:
+        """(state, path, source rank, its host) of the newest checkpoint on any node; None if none.
+
+        `into` maps top-level keys to state dicts whose tensors receive the broadcast in place
+        (distributed.broadcast_state); optimizer tensors stay on the device they arrive on.
+        """
+        report: dict[str, Any] = {"step": None}
+        if self.local_rank == 0:
+            try:
+                report = {"step": self.newest_step(), "host": socket.gethostname()}
+            except ConfigError as exc:
+                report = {"error": [exc.source, exc.field, exc.message]}
+        reports = distributed.all_gather_objects(report)
+        for r in reports:
+            if "error" in r:
+                raise ConfigError(*r["error"])
+        steps = [(r["step"], -rank) for rank, r in enumerate(reports) if r.get("step") is not None]
+        if not steps:
+            return None
+        src = -max(steps)[1]
+        header: dict[str, Any] = {"path": None}
+        found = None
+        if self.rank == src:
+            try:
+                found = load_latest(self.directory)
+                header = {"path": str(found[1]) if found else None}
+            except ConfigError as exc:
+                header = {"error": [exc.source, exc.field, exc.message]}
+        # the read + CRC check happen on one rank: the others wait on the store, not in a collective
+        distributed.wait_for_io(src, self.io_timeout_s)
+        header = distributed.broadcast_object(header, src)
+        if "error" in header:
+            raise ConfigError(*header["error"])
+        if header["path"] is None:
+            return None
+        state = distributed.broadcast_state(found[0] if found else None, device, src, into, ("optimizer",))
+        return state, header["path"], src, reports[src].get("host")
+
+    def save(
+        self,
+        local: Any,
+        build: Callable[[list[Any]], dict[str, Any]],
+        step: int,
+        path: Path | None = None,
+        note: str = "",
+    ) -> None:
+        """Gather every rank's `local` (its RNG state); rank 0 writes build(gathered) atomically as the
+        checkpoint of `step` (or to `path`, e.g. best.pt, outside the rotation); all wait for it."""
+        gathered = distributed.all_gather_objects(local)
+        if self.rank == 0:
+            t0 = time.perf_counter()
+            state = build(gathered)
+            if path is None:
+                path = save(state, self.directory, step, self.save_delay_s)
+                pruned = prune(self.directory, self.keep_latest_k)
+                deleted = f" (deleted {len(pruned)} older)" if pruned else ""
+            else:
+                save_file(state, path)
+                deleted = note
+            # "saved ... in N.NNs": ddp-launch reads it to size the grace period of a stop (launch/job.py)
+            seconds = time.perf_counter() - t0
+            logging.getLogger("ddp_train").info("saved %s in %.2fs%s", path, seconds, deleted)
+        # rank 0's write + fsync may outlast the collective timeout: wait on the store, sized for I/O
+        distributed.wait_for_io(0, self.io_timeout_s)

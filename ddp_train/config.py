@@ -18,6 +18,8 @@ from typing import Any
 import jsonschema
 import yaml
 
+from ddp_train.text import one_line, short
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 SCHEMA_PATH = PACKAGE_DIR / "schemas" / "train.schema.json"
 DEFAULT_CONFIG_PATH = PACKAGE_DIR / "configs" / "default.yaml"
@@ -29,7 +31,7 @@ class ConfigError(Exception):
     def __init__(self, source: str, field: str | None, message: str) -> None:
         self.source, self.field, self.message = source, field, message
         parts = [source] + ([field] if field else []) + [message]
-        super().__init__(_one_line(": ".join(parts)))
+        super().__init__(one_line(": ".join(parts), None))
 
 
 @dataclass
@@ -94,6 +96,7 @@ class DataConfig:
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     tokens: TokensConfig = field(default_factory=TokensConfig)
     num_workers: int = 0
+    prefetch_factor: int = 2
 
 
 @dataclass
@@ -112,6 +115,7 @@ class OptimConfig:
     grad_clip: float = 1.0
     precision: str = "fp32"
     compile: bool = False
+    gc_interval_steps: int = 50
 
 
 @dataclass
@@ -221,10 +225,6 @@ def _construct_map(loader: _Loader, node: yaml.MappingNode):
 _Loader.add_constructor("tag:yaml.org,2002:map", _construct_map)
 
 
-def _one_line(text: str) -> str:
-    return " ".join(text.split()) if ("\n" in text or "\r" in text) else text
-
-
 def _yaml_error(exc: yaml.YAMLError) -> str:
     mark = getattr(exc, "problem_mark", None)
     problem = getattr(exc, "problem", None) or str(exc)
@@ -328,11 +328,6 @@ def _kind(value: Any) -> str:
     )
 
 
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _path(parts: Any) -> str:
     out = ""
     for p in parts:
@@ -353,15 +348,15 @@ def _schema_message(err: jsonschema.ValidationError) -> tuple[str, str]:
         hint = f" (known: {', '.join(allowed)})" if allowed else " (keys must be identifiers)"
         return field_name, f"unknown key{hint}"
     if err.validator == "enum":
-        return where, f"{_short(err.instance)} is not one of {', '.join(map(repr, err.validator_value))}"
+        return where, f"{short(err.instance)} is not one of {', '.join(map(repr, err.validator_value))}"
     if err.validator == "type":
         types = err.validator_value if isinstance(err.validator_value, list) else [err.validator_value]
-        return where, f"{_short(err.instance)} is not of type {' or '.join(map(repr, types))}"
+        return where, f"{short(err.instance)} is not of type {' or '.join(map(repr, types))}"
     if err.validator == "pattern" and "plugin" in where:
-        return where, f"{_short(err.instance)} is not a 'package.module:function' reference"
+        return where, f"{short(err.instance)} is not a 'package.module:function' reference"
     message = err.message
     if len(message) > 200:
-        message = message.replace(repr(err.instance), _short(err.instance))
+        message = message.replace(repr(err.instance), short(err.instance))
     return where, message
 
 
@@ -425,7 +420,7 @@ def _assign(data: dict, parts: list[str], value: Any, file_source: str) -> None:
         if child is None:
             child = node[part] = {}
         if not isinstance(child, dict):
-            raise ConfigError(file_source, ".".join(parts[: i + 1]), f"{_short(child)} is not a mapping")
+            raise ConfigError(file_source, ".".join(parts[: i + 1]), f"{short(child)} is not a mapping")
         node = child
     node[parts[-1]] = value
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from ddp_train.config import Config, ConfigError
 from ddp_train.plugins import call_plugin
@@ -101,7 +101,7 @@ class TokenFile(Dataset):
         dtype: str = "uint16",
         field: str = "data.tokens.path",
     ) -> None:
-        self.path, self.block_size, self.vocab_size = str(path), block_size, vocab_size
+        self.path, self.block_size, self.vocab_size, self.field = str(path), block_size, vocab_size, field
         self.dtype = _DTYPES[dtype]
         width = self.dtype.itemsize
         try:
@@ -122,10 +122,19 @@ class TokenFile(Dataset):
         self._map: mmap.mmap | None = None
 
     def _open(self) -> torch.Tensor:
-        with open(self.path, "rb") as f:
-            # ACCESS_COPY: a writable (copy-on-write) view, so torch.frombuffer needs no copy or warning.
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        self._tokens = torch.frombuffer(self._map, dtype=self.dtype, count=self.num_tokens)
+        """Map the file (in each process, DataLoader workers included); a file gone or shrunk since the
+        size check is a ConfigError naming it, like every other bad token file."""
+        try:
+            with open(self.path, "rb") as f:
+                # ACCESS_COPY: a writable (copy-on-write) view, so torch.frombuffer needs no copy or warning.
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            self._tokens = torch.frombuffer(self._map, dtype=self.dtype, count=self.num_tokens)
+        except OSError as exc:
+            raise ConfigError(self.path, self.field, f"cannot open: {exc.strerror or exc}") from None
+        except ValueError:
+            raise ConfigError(
+                self.path, self.field, f"shorter than the {self.num_tokens} tokens it had at start"
+            ) from None
         return self._tokens
 
     def __getstate__(self) -> dict[str, Any]:
@@ -272,11 +281,83 @@ def build_val_dataset(cfg: Config, train: Dataset) -> Dataset | None:
     return None  # plug-in data: no val split
 
 
-class ShardedBatches:
-    """This rank's batches: DistributedSampler shards, `set_epoch` at every epoch, resumable mid-epoch.
+class ResumableBatchSampler:
+    """Endless batches of one rank's shard, epoch after epoch, starting at any (epoch, position).
 
-    State is (epoch, position): the epoch's permutation comes from seed + epoch and `position` batches
-    of it were consumed, so a restored loader continues with exactly the next batch.
+    Epoch e's order is DistributedSampler's with shuffle and drop_last (torch/utils/data/distributed.py):
+    randperm(len) from a generator seeded with seed + e, cut to a multiple of the world size, every
+    world_size-th index from `rank` on; only whole batches are used. The order stays a tensor: no
+    Python list of the epoch (~9M ints per rank on OpenWebText), only one batch's ints at a time.
+    Iterated in the training process by the DataLoader, which may run ahead of the batches consumed;
+    the consumed position is kept by ShardedBatches.
+    """
+
+    def __init__(self, num_items: int, batch_size: int, rank: int, world_size: int, seed: int) -> None:
+        self.num_items, self.batch_size, self.rank, self.world_size = num_items, batch_size, rank, world_size
+        self.seed = seed
+        self.per_rank = num_items // world_size  # DistributedSampler's num_samples with drop_last
+        self.batches_per_epoch = self.per_rank // batch_size
+        self.start = (0, 0)
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        """This rank's sample indices of `epoch`, in order (whole batches only), as an int64 tensor."""
+        g = torch.Generator()
+        g.manual_seed(self.seed + epoch)
+        perm = torch.randperm(self.num_items, generator=g)
+        mine = perm[: self.per_rank * self.world_size][self.rank :: self.world_size]
+        return mine[: self.batches_per_epoch * self.batch_size]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch, position = self.start
+        while True:
+            order = self.epoch_order(epoch)
+            for b in range(position, self.batches_per_epoch):
+                yield order[b * self.batch_size : (b + 1) * self.batch_size].tolist()
+            epoch, position = epoch + 1, 0
+
+
+@dataclass
+class _LoadFailure:
+    """A ConfigError raised while loading a batch, carried as data across the worker boundary.
+
+    The DataLoader re-raises a worker's exception by calling its class with one string (the formatted
+    traceback); ConfigError takes three arguments, so it would turn into a RuntimeError traceback
+    (torch/utils/_utils.py ExceptionWrapper.reraise). As data it reaches ShardedBatches.next intact.
+    """
+
+    source: str
+    field: str | None
+    message: str
+
+
+class _Guarded(Dataset):
+    """`dataset` whose ConfigErrors become a _LoadFailure batch (see _collate)."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitems__(self, indices: list[int]) -> Any:
+        try:
+            batched = getattr(self.dataset, "__getitems__", None)  # a plug-in's own batched read
+            return batched(indices) if batched else [self.dataset[i] for i in indices]
+        except ConfigError as exc:
+            return _LoadFailure(exc.source, exc.field, exc.message)
+
+
+def _collate(items: Any) -> Any:
+    return items if isinstance(items, _LoadFailure) else default_collate(items)
+
+
+class ShardedBatches:
+    """This rank's batches from one long-lived DataLoader; resumable mid-epoch, bit-exact.
+
+    State is (epoch, position): the epoch's order comes from seed + epoch (ResumableBatchSampler) and
+    `position` batches of it were consumed, so a restored loader continues with exactly the next batch.
+    With num_workers > 0 the workers live for the whole run (persistent_workers), each loading
+    prefetch_factor batches ahead, pinned in page-locked memory when pin_memory is set.
     """
 
     def __init__(
@@ -289,13 +370,12 @@ class ShardedBatches:
         num_workers: int = 0,
         pin_memory: bool = False,
         index_log: Path | None = None,
+        prefetch_factor: int = 2,
     ) -> None:
         self.dataset, self.batch_size, self.rank, self.seed = dataset, batch_size, rank, seed
         self.num_workers, self.pin_memory, self.index_log = num_workers, pin_memory, index_log
-        self.sampler = DistributedSampler(
-            dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
-        )
-        self.batches_per_epoch = len(self.sampler) // batch_size
+        self.sampler = ResumableBatchSampler(len(dataset), batch_size, rank, world_size, seed)  # type: ignore[arg-type]
+        self.batches_per_epoch = self.sampler.batches_per_epoch
         if self.batches_per_epoch == 0:
             raise ConfigError(
                 "config",
@@ -303,6 +383,18 @@ class ShardedBatches:
                 f"{batch_size} per rank x {world_size} rank(s) needs at least {batch_size * world_size} "
                 f"samples; the dataset has {len(dataset)}",  # type: ignore[arg-type]
             )
+        # An own generator: a DataLoader otherwise draws its worker base seed from the global RNG, so a
+        # loader started at a resume point would shift dropout's random stream against an unbroken run.
+        self.loader = DataLoader(
+            _Guarded(dataset),
+            batch_sampler=self.sampler,
+            collate_fn=_collate,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            persistent_workers=num_workers > 0,
+            prefetch_factor=prefetch_factor if num_workers > 0 else None,
+            generator=torch.Generator().manual_seed(seed),
+        )
         self.epoch, self.position = 0, 0
         self._it: Iterator[Any] | None = None
 
@@ -311,44 +403,39 @@ class ShardedBatches:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self._it = None
+        self._it = None  # batches prefetched from the old position are dropped when the loader restarts
 
     def epoch_indices(self, epoch: int) -> list[int]:
         """The sample indices this rank draws in `epoch`, in order (whole batches only)."""
-        self.sampler.set_epoch(epoch)
-        return list(self.sampler)[: self.batches_per_epoch * self.batch_size]
+        return self.sampler.epoch_order(epoch).tolist()
 
-    def _start(self) -> None:
-        indices = self.epoch_indices(self.epoch)
-        if self.index_log is not None:
-            with open(self.index_log, "a", encoding="utf-8") as f:
-                record = {
-                    "rank": self.rank,
-                    "epoch": self.epoch,
-                    "position": self.position,
-                    "indices": indices,
-                }
-                f.write(json.dumps(record) + "\n")
-        bs = self.batch_size
-        batches = [indices[i * bs : (i + 1) * bs] for i in range(self.position, self.batches_per_epoch)]
-        # An own generator: a DataLoader otherwise draws its worker base seed from the global RNG, so a
-        # loader created at a resume point would shift dropout's random stream against an unbroken run.
-        loader = DataLoader(
-            self.dataset,
-            batch_sampler=batches,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-            generator=torch.Generator().manual_seed(self.seed + self.epoch),
-        )
-        self._it = iter(loader)
+    def _log_epoch(self) -> None:
+        if self.index_log is None:
+            return
+        with open(self.index_log, "a", encoding="utf-8") as f:
+            record = {"rank": self.rank, "epoch": self.epoch, "position": self.position}
+            f.write(json.dumps({**record, "indices": self.epoch_indices(self.epoch)}) + "\n")
 
     def next(self) -> Any:
-        """The next batch, moving to the next epoch (new permutation) when this one is used up."""
-        if self.position >= self.batches_per_epoch:
-            self.epoch, self.position, self._it = self.epoch + 1, 0, None
-        if self._it is None:
-            self._start()
-        assert self._it is not None
+        """The next batch, moving to the next epoch (new order) when this one is used up."""
+        new_epoch = self.position >= self.batches_per_epoch
+        if new_epoch:
+            self.epoch, self.position = self.epoch + 1, 0
+        started = self._it is None
+        if started:
+            self.sampler.start = (self.epoch, self.position)
+            self._it = iter(self.loader)  # persistent workers: started once, restarted only after a load
+        if started or new_epoch:
+            self._log_epoch()
         batch = next(self._it)
+        if isinstance(batch, _LoadFailure):
+            raise ConfigError(batch.source, batch.field, batch.message)
         self.position += 1
         return batch
+
+    def close(self) -> None:
+        """Stop the worker processes (they would otherwise live until the loader is collected)."""
+        it, self._it = self._it, None
+        shutdown = getattr(it, "_shutdown_workers", None)  # torch's own cleanup, also run by its __del__
+        if shutdown is not None:
+            shutdown()

@@ -6,11 +6,9 @@ every collective helper below is then a no-op.
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import inspect
 import os
-import pickle
 import secrets
 import time
 from collections.abc import Mapping
@@ -212,24 +210,10 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-# torch's *_object collectives convert through numpy, which is not a dependency here (and absent on
-# many hosts); these pickle into uint8 tensors and read them back with ctypes instead.
-
-
 def _comm_device(device: torch.device | None = None) -> torch.device:
     if dist.get_backend() == "nccl":
         return device if device is not None else torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _tensor_bytes(t: torch.Tensor, n: int) -> bytes:
-    t = t.cpu().contiguous()
-    return ctypes.string_at(t.data_ptr(), n) if n else b""
-
-
-def _pickle(obj: Any, device: torch.device) -> torch.Tensor:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
 
 
 def all_reduce_sum_async(tensor: torch.Tensor) -> Any:
@@ -243,49 +227,35 @@ def all_gather_objects(obj: Any) -> list[Any]:
     """Every rank's picklable `obj`, in rank order (a one-element list alone)."""
     if not active():
         return [obj]
-    device = _comm_device()
-    payload = _pickle(obj, device)
-    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, size)
-    longest = max(int(s.item()) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[: payload.numel()] = payload
-    out = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(out, padded)
-    return [pickle.loads(_tensor_bytes(t, int(s.item()))) for t, s in zip(out, sizes)]  # noqa: S301
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)  # NCCL: through the current CUDA device, set by select_device
+    return out
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank `src`'s picklable object on every rank (large tensors go through broadcast_state)."""
     if not active():
         return obj
-    device = _comm_device()
-    is_src = dist.get_rank() == src
-    payload = _pickle(obj, device) if is_src else None
-    size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=src)
-    n = int(size.item())
-    buf = payload if payload is not None else torch.empty(n, dtype=torch.uint8, device=device)
-    dist.broadcast(buf, src=src)
-    return obj if is_src else pickle.loads(_tensor_bytes(buf, n))  # noqa: S301 - from our own rank 0
+    box = [obj if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
 
 
 class _TensorSlot:
-    """Placeholder for a tensor inside a broadcast skeleton."""
+    """Placeholder for a tensor inside a broadcast skeleton: where it sits, its shape and dtype."""
 
-    def __init__(self, index: int, tensor: torch.Tensor) -> None:
-        self.index, self.shape, self.dtype = index, tuple(tensor.shape), tensor.dtype
+    def __init__(self, index: int, path: tuple[Any, ...], tensor: torch.Tensor) -> None:
+        self.index, self.path, self.shape, self.dtype = index, path, tuple(tensor.shape), tensor.dtype
 
 
-def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
+def _split(obj: Any, tensors: list[torch.Tensor], path: tuple[Any, ...] = ()) -> Any:
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
-        return _TensorSlot(len(tensors) - 1, obj)
+        return _TensorSlot(len(tensors) - 1, path, obj)
     if isinstance(obj, dict):
-        return {k: _split(v, tensors) for k, v in obj.items()}
+        return {k: _split(v, tensors, (*path, k)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        items = [_split(v, tensors) for v in obj]
+        items = [_split(v, tensors, (*path, i)) for i, v in enumerate(obj)]
         return items if isinstance(obj, list) else tuple(items)
     return obj
 
@@ -301,30 +271,54 @@ def _join(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return obj
 
 
-def broadcast_state(state: Any, device: torch.device, src: int = 0) -> Any:
+def _target(into: Mapping[str, Mapping[Any, torch.Tensor]], slot: _TensorSlot, comm: torch.device) -> Any:
+    """The caller's tensor at the slot's place, if the received bytes can land in it directly."""
+    if len(slot.path) != 2 or not isinstance(into.get(slot.path[0]), Mapping):
+        return None
+    t = into[slot.path[0]].get(slot.path[1])
+    fits = isinstance(t, torch.Tensor) and tuple(t.shape) == slot.shape and t.dtype == slot.dtype
+    return t if fits and t.device == comm and t.is_contiguous() else None
+
+
+def broadcast_state(
+    state: Any,
+    device: torch.device,
+    src: int = 0,
+    into: Mapping[str, Mapping[Any, torch.Tensor]] | None = None,
+    on_device: tuple[str, ...] = (),
+) -> Any:
     """Send a nested state (dicts/lists of tensors and plain values) from `src` to every rank.
 
     The structure travels pickled, the tensors one by one with dist.broadcast, so a large model state
-    never goes through pickle. Received tensors are on CPU. Lets the checkpoint live on one node only.
+    never goes through pickle. No rank but `src` holds a CPU copy of the large tensors: a tensor whose
+    place {key: {name: tensor}} exists in `into` (a model's state_dict) is received straight into that
+    tensor; other tensors under the top-level keys in `on_device` (optimizer state) stay where they
+    were received (the GPU under NCCL), except 0-dim ones such as Adam's step counter; the rest is
+    small (RNG states) and moved to CPU. Lets the checkpoint live on one node only.
     """
     if not active():
         return state
+    is_src = dist.get_rank() == src
     tensors: list[torch.Tensor] = []
-    skeleton = _split(state, tensors) if dist.get_rank() == src else None
+    skeleton = _split(state, tensors) if is_src else None
     skeleton = broadcast_object(skeleton, src)
     if skeleton is None:
         return None
     slots: list[_TensorSlot] = []
     _collect_slots(skeleton, slots)
-    comm_device = _comm_device(device)
+    comm = _comm_device(device)
     received: list[torch.Tensor] = [torch.empty(0)] * len(slots)
     for slot in sorted(slots, key=lambda s: s.index):
-        if dist.get_rank() == src:
-            buf = tensors[slot.index].detach().to(comm_device).contiguous()
-        else:
-            buf = torch.empty(slot.shape, dtype=slot.dtype, device=comm_device)
+        if is_src:
+            buf = tensors[slot.index].detach().to(comm).contiguous()
+            dist.broadcast(buf, src=src)
+            received[slot.index] = tensors[slot.index]
+            continue
+        target = _target(into or {}, slot, comm)
+        buf = target if target is not None else torch.empty(slot.shape, dtype=slot.dtype, device=comm)
         dist.broadcast(buf, src=src)
-        received[slot.index] = buf.cpu() if dist.get_rank() != src else tensors[slot.index]
+        keep = target is not None or (bool(slot.path) and slot.path[0] in on_device and buf.dim() > 0)
+        received[slot.index] = buf if keep else buf.cpu()
     return _join(skeleton, received)
 
 

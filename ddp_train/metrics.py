@@ -10,25 +10,31 @@ from typing import Any, TextIO
 
 LOG_FORMAT = "%(asctime)s ddp-train[rank {rank}] %(levelname)s %(message)s"
 
-# Dense (no sparsity) bf16 tensor-core peak per GPU, TFLOP/s, from NVIDIA's datasheets. First match of
-# the substring in torch.cuda.get_device_name() wins, so the more specific names come first.
-PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("H200 NVL", 835.5),
-    ("H200", 989.5),
-    ("H100 NVL", 835.5),
-    ("H100 PCIe", 756.5),
-    ("H100", 989.5),
-    ("A100", 312.0),
+# Dense (no sparsity) tensor-core peak per GPU, TFLOP/s, by precision, from NVIDIA's datasheets
+# (https://www.nvidia.com/en-us/data-center/h100/, /h200/, /a100/; the sparse figures halved). fp32 means
+# TF32 on the tensor cores: the trainer turns TF32 on for CUDA matmuls. First match of the substring in
+# torch.cuda.get_device_name() wins, so the more specific names come first.
+PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("H200 NVL", {"bf16": 835.5, "fp16": 835.5, "fp32": 417.5}),
+    ("H200", {"bf16": 989.5, "fp16": 989.5, "fp32": 494.7}),
+    ("H100 NVL", {"bf16": 835.5, "fp16": 835.5, "fp32": 417.5}),
+    ("H100 PCIe", {"bf16": 756.5, "fp16": 756.5, "fp32": 378.0}),
+    ("H100", {"bf16": 989.5, "fp16": 989.5, "fp32": 494.7}),
+    ("A100", {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0}),
 )
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = tuple((name, peaks["bf16"]) for name, peaks in PEAK_TFLOPS)
 
 
-def peak_flops(device_name: str, override_tflops: float | None = None) -> float | None:
-    """Peak FLOP/s of one device: the config override, else the bf16 table, else None (unknown)."""
+def peak_flops(
+    device_name: str, override_tflops: float | None = None, precision: str = "bf16"
+) -> float | None:
+    """Peak FLOP/s of one device at `precision` (bf16, fp16, fp32 = TF32): the config override, else the
+    table, else None (unknown)."""
     if override_tflops is not None:
         return override_tflops * 1e12
-    for key, tflops in PEAK_BF16_TFLOPS:
+    for key, peaks in PEAK_TFLOPS:
         if key.lower() in device_name.lower():
-            return tflops * 1e12
+            return peaks[precision] * 1e12
     return None
 
 

@@ -11,10 +11,8 @@ import math
 import os
 import random
 import signal
-import socket
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +26,7 @@ from ddp_train.console import emit_line
 from ddp_train.data import ShardedBatches, build_dataset, build_val_dataset, resolve_vocab
 from ddp_train.distributed import DistEnv
 from ddp_train.evaluate import Evaluator, perplexity
+from ddp_train.meter import PendingStep, StepMeter
 from ddp_train.metrics import JsonlWriter, ProgressBar, attach_progress_bar, mfu, peak_flops, setup_logging
 from ddp_train.models import build_model, flops_per_token
 from ddp_train.optim import build_optimizer, build_scheduler
@@ -78,41 +77,45 @@ class StopRequest:
             signal.signal(sig, handler)
         self._previous = {}
 
-    def vote(self, world_size: int) -> float:
-        """This rank's stop vote: 0 none, 1 SIGTERM, world_size + 1 SIGINT (so sums stay decodable)."""
-        if self.signum is None:
-            return 0.0
-        return float(world_size + 1) if self.signum == signal.SIGINT else 1.0
+    def flags(self) -> list[float]:
+        """This rank's stop flags [SIGTERM, SIGINT] (1.0 when received), summed over ranks with the loss."""
+        return [float(self.signum == signal.SIGTERM), float(self.signum == signal.SIGINT)]
 
     @staticmethod
-    def decode(total: float, world_size: int) -> signal.Signals | None:
-        """The signal behind an all-reduced vote (SIGINT wins), or None."""
-        if total <= 0:
-            return None
-        return signal.SIGINT if total > world_size else signal.SIGTERM
+    def decode(sigterm_ranks: float, sigint_ranks: float) -> signal.Signals | None:
+        """The signal behind the summed flags (SIGINT wins over SIGTERM), or None."""
+        if sigint_ranks > 0:
+            return signal.SIGINT
+        return signal.SIGTERM if sigterm_ranks > 0 else None
 
     def _handle(self, signum: int, _frame: Any) -> None:
         self.signum = signum
         signal.signal(signum, signal.SIG_DFL)  # a second signal of the same kind kills at once
 
 
-class _Window:
-    """Throughput since the last log line, measured in wall-clock time."""
+class GarbageCollection:
+    """Python's GC on a schedule, the same on every rank, as torchtitan does (torchtitan/tools/utils.py
+    GarbageCollection, training.gc_freq): an automatic collection pauses one rank at a random moment
+    and the others wait for it in the next all-reduce (a straggler). After setup everything alive is
+    frozen (gc.freeze: never scanned again, and fork()ed DataLoader workers do not touch its pages),
+    automatic collection is off, and every `every` steps a generation-1 collection runs on all ranks.
+    `every` 0 leaves the interpreter's GC alone. close() restores it."""
 
-    def __init__(self, start: float) -> None:
-        self.start, self.tokens, self.steps = start, 0, 0
+    def __init__(self, every: int) -> None:
+        self.every = every
+        if every:
+            gc.collect()
+            gc.freeze()
+            gc.disable()
 
+    def step(self, step: int) -> None:
+        if self.every and step % self.every == 0:
+            gc.collect(1)
 
-@dataclass
-class _StepStats:
-    """A finished step whose all-reduced [loss, grad norm, stop vote] is read one step later."""
-
-    step: int
-    epoch: int
-    lr: float
-    tokens: int
-    stats: torch.Tensor
-    work: Any  # the async all-reduce (None alone)
+    def close(self) -> None:
+        if self.every:
+            gc.unfreeze()
+            gc.enable()
 
 
 class Trainer:
@@ -124,8 +127,9 @@ class Trainer:
         self.cfg, self.env, self.device = cfg, env, device
         self.stop = stop or StopRequest()
         self.step, self.last_loss, self.saved_step = 0, float("nan"), -1
-        self._pending: _StepStats | None = None
-        self._flag = torch.zeros((), device=device)
+        self.meter: StepMeter | None = None
+        # [SIGTERM, SIGINT] flags, filled with Python scalars each step: a kernel launch, no host-device copy
+        self._flags = torch.zeros(2, device=device)
         t = cfg.train
         if t.precision == "fp16" and device.type != "cuda":
             raise ConfigError("config", "train.precision", "'fp16' needs CUDA (use bf16 or fp32 on CPU)")
@@ -164,6 +168,16 @@ class Trainer:
             num_workers=cfg.data.num_workers,
             pin_memory=device.type == "cuda",
             index_log=index_log,
+            prefetch_factor=cfg.data.prefetch_factor,
+        )
+        self.checkpoints = checkpoint.Checkpointer(
+            cfg.checkpoint_dir,
+            rank=env.rank,
+            local_rank=env.local_rank,
+            resume=cfg.checkpoint.resume,
+            keep_latest_k=cfg.checkpoint.keep_latest_k,
+            io_timeout_s=cfg.checkpoint.io_timeout_s,
+            save_delay_s=cfg.debug.save_delay_s,
         )
         if not self._resume():
             torch.manual_seed(cfg.seed + env.rank)
@@ -176,51 +190,21 @@ class Trainer:
             self.ddp = DDP(net, device_ids=ids, gradient_as_bucket_view=True)
         self.flops_per_token = flops_per_token(self.model)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-        self.peak = peak_flops(name, cfg.log.peak_tflops) if device.type == "cuda" else None
+        # the peak of the precision the matmuls run at (fp32 runs as TF32: allow_tf32 above)
+        self.peak = peak_flops(name, cfg.log.peak_tflops, t.precision) if device.type == "cuda" else None
 
     # --- resume / save ----------------------------------------------------------------------------
 
     def _resume(self) -> bool:
-        """Resume from the newest valid checkpoint found on any node, broadcast from the rank that has it.
-
-        Checkpoints are written on rank 0's node only; after a restart in which another node became
-        rank 0 (c10d orders nodes by address) they may live on a node that is now rank 3. So one rank
-        per node (LOCAL_RANK 0) lists its checkpoint.dir, the newest step wins (rank 0 on a tie, e.g. a
-        shared directory), and that rank loads, checks and broadcasts it: no shared disk is needed.
-        """
-        report: dict[str, Any] = {"step": None}
-        if self.env.local_rank == 0:
-            try:
-                report = {"step": self._newest_step(), "host": socket.gethostname()}
-            except ConfigError as exc:
-                report = {"error": [exc.source, exc.field, exc.message]}
-        reports = distributed.all_gather_objects(report)
-        for r in reports:
-            if "error" in r:
-                raise ConfigError(*r["error"])
-        steps = [(r["step"], -rank) for rank, r in enumerate(reports) if r.get("step") is not None]
-        if not steps:
+        """Resume from the newest valid checkpoint found on any node (checkpoint.Checkpointer.restore)."""
+        # the model's own tensors receive the broadcast: no rank but the reader holds a copy of the state
+        found = self.checkpoints.restore(self.device, into={"model": self.model.state_dict()})
+        if found is None:
             return False
-        src = -max(steps)[1]
-        header: dict[str, Any] = {"path": None}
-        found = None
-        if self.env.rank == src:
-            try:
-                found = checkpoint.load_latest(self.cfg.checkpoint_dir)
-                header = {"path": str(found[1]) if found else None}
-            except ConfigError as exc:
-                header = {"error": [exc.source, exc.field, exc.message]}
-        # the read + CRC check happen on one rank: the others wait on the store, not in a collective
-        distributed.wait_for_io(src, self.cfg.checkpoint.io_timeout_s)
-        header = distributed.broadcast_object(header, src)
-        if "error" in header:
-            raise ConfigError(*header["error"])
-        if header["path"] is None:
-            return False
-        state = distributed.broadcast_state(found[0] if found else None, self.device, src)
-        self._apply(state, header["path"])
-        where = f" (on {reports[src].get('host')}, rank {src})" if src != 0 else ""
-        log.info("resumed from %s at step %d%s", header["path"], self.step, where)
+        state, path, src, host = found
+        self.load_state_dict(state, path)
+        where = f" (on {host}, rank {src})" if src != 0 else ""
+        log.info("resumed from %s at step %d%s", path, self.step, where)
         if self.step >= self.cfg.train.max_steps:
             log.info(
                 "checkpoint step %d >= train.max_steps %d: nothing left to train",
@@ -229,25 +213,8 @@ class Trainer:
             )
         return True
 
-    def _newest_step(self) -> int | None:
-        """This node's newest checkpoint step (by name; its contents are checked when it is loaded)."""
-        directory = self.cfg.checkpoint_dir
-        if self.cfg.checkpoint.resume == "never":
-            existing = checkpoint.list_checkpoints(directory)
-            if existing:
-                raise ConfigError(
-                    "config",
-                    "checkpoint.resume",
-                    f"'never' but {directory} already holds {len(existing)} checkpoint(s) up to "
-                    f"{existing[-1][1].name}; use another run.name or checkpoint.dir, or delete them",
-                )
-            return None
-        for tmp in checkpoint.remove_stale_temps(directory):
-            log.warning("removed %s left by an interrupted save", tmp.name)
-        found = checkpoint.list_checkpoints(directory)
-        return found[-1][0] if found else None
-
-    def _apply(self, state: dict[str, Any], path: str) -> None:
+    def load_state_dict(self, state: dict[str, Any], path: str) -> None:
+        """Apply a checkpoint's state (what state_dict returned); CheckpointError if it does not fit."""
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
@@ -275,7 +242,8 @@ class Trainer:
             torch.manual_seed(self.cfg.seed + self.env.rank + self.step)
             random.seed(self.cfg.seed + self.env.rank + self.step)
 
-    def _state(self, rngs: list[Any]) -> dict[str, Any]:
+    def state_dict(self, rngs: list[Any]) -> dict[str, Any]:
+        """Everything a bit-exact resume needs; `rngs` holds every rank's RNG state, in rank order."""
         return {
             "format": checkpoint.FORMAT,
             "step": self.step,
@@ -299,18 +267,8 @@ class Trainer:
 
     def save_best(self) -> None:
         """Like save(), to best.pt (atomically), after a new best val loss."""
-        rngs = distributed.all_gather_objects(rng_state(self.device))
-        if self.env.is_main:
-            t0 = time.perf_counter()
-            checkpoint.save_file(self._state(rngs), self.best_path)
-            log.info(
-                "saved %s (val_loss %.4f at step %d) in %.2fs",
-                self.best_path,
-                self.best["val_loss"],
-                self.step,
-                time.perf_counter() - t0,
-            )
-        distributed.wait_for_io(0, self.cfg.checkpoint.io_timeout_s)
+        note = f" (val_loss {self.best['val_loss']:.4f} at step {self.step})"
+        self.checkpoints.save(rng_state(self.device), self.state_dict, self.step, self.best_path, note)
 
     def validate(self) -> float:
         """Val loss of the current model on every rank's slice (collective); keeps the best."""
@@ -323,26 +281,19 @@ class Trainer:
             self.best = {"val_loss": loss, "step": self.step}
             if self.cfg.eval.keep_best:
                 self.save_best()
-        if hasattr(self, "_window"):
-            self._window.start += time.perf_counter() - t0  # tokens/s and MFU count training time only
+        self._pause(time.perf_counter() - t0)  # tokens/s and MFU count training time only
         return loss
 
     def save(self) -> None:
-        """Gather every rank's RNG state; rank 0 writes the checkpoint atomically; all wait for it."""
-        rngs = distributed.all_gather_objects(rng_state(self.device))
-        if self.env.is_main:
-            state = self._state(rngs)
-            directory = self.cfg.checkpoint_dir
-            t0 = time.perf_counter()
-            path = checkpoint.save(state, directory, self.step, self.cfg.debug.save_delay_s)
-            pruned = checkpoint.prune(directory, self.cfg.checkpoint.keep_latest_k)
-            # "in N.NNs": ddp-launch reads it to size the grace period of a stop (launch/job.py)
-            seconds = time.perf_counter() - t0
-            deleted = f" (deleted {len(pruned)} older)" if pruned else ""
-            log.info("saved %s in %.2fs%s", path, seconds, deleted)
+        """A checkpoint of this step: every rank's RNG state gathered, rank 0 writes, all wait for it."""
+        t0 = time.perf_counter()
+        self.checkpoints.save(rng_state(self.device), self.state_dict, self.step)
         self.saved_step = self.step
-        # rank 0's write + fsync may outlast the collective timeout: wait on the store, sized for I/O
-        distributed.wait_for_io(0, self.cfg.checkpoint.io_timeout_s)
+        self._pause(time.perf_counter() - t0)
+
+    def _pause(self, seconds: float) -> None:
+        if self.meter is not None:
+            self.meter.pause(seconds)
 
     # --- training ---------------------------------------------------------------------------------
 
@@ -383,41 +334,29 @@ class Trainer:
 
     def fit(self) -> int:
         """Train to max_steps (or until SIGTERM/SIGINT), checkpointing; print the final line; exit code."""
-        cfg, env = self.cfg, self.env
-        total = cfg.train.max_steps
+        cfg, env, total = self.cfg, self.env, self.cfg.train.max_steps
         show_bar = cfg.log.progress == "always" or (cfg.log.progress == "auto" and sys.stderr.isatty())
         bar = ProgressBar(total, show_bar and env.is_main)
         attach_progress_bar(log, bar)
         writer = JsonlWriter(cfg.run_dir / "metrics.jsonl" if env.is_main and cfg.log.jsonl else None)
         writer = tbwriter.tee(writer, cfg, env.is_main)  # + TensorBoard when log.tensorboard
-        if env.is_main:
-            (cfg.run_dir / "config.yaml").write_text(dump_yaml(cfg), encoding="utf-8")
-            log.info(
-                "world=%d device=%s backend=%s model=%s params=%d flops/token=%.3g step=%d/%d "
-                "batches/epoch/rank=%d",
-                env.world_size,
-                self.device,
-                torch.distributed.get_backend() if distributed.active() else "none",
-                cfg.model.name,
-                sum(p.numel() for p in self.model.parameters()),
-                self.flops_per_token,
-                self.step,
-                total,
-                self.batches.batches_per_epoch,
-            )
-        self._bar, self._writer = bar, writer
-        self._window = _Window(time.perf_counter())
+        self._log_start()
+        meter = self.meter = StepMeter(self.device.type == "cuda", bar, writer)
+        collector = GarbageCollection(cfg.train.gc_interval_steps)
         stopped: signal.Signals | None = None
         try:
             while self.step < total and not stopped:
                 lr = self.optimizer.param_groups[0]["lr"]
                 loss, gnorm, tokens = self.train_step()
                 self.step += 1
-                # The mean loss and the stop vote (a SIGTERM on any rank stops every rank after the same
-                # step) travel in one small async all-reduce, read one step later: no per-step GPU sync.
-                flag = self._flag.fill_(self.stop.vote(env.world_size))
-                stats = torch.stack([loss, gnorm, flag])
-                current = _StepStats(
+                # Mean loss, grad norm and stop flags (a SIGTERM on any rank stops every rank after the
+                # same step) travel in one small async all-reduce, read one step later (StepMeter).
+                sigterm, sigint = self.stop.flags()
+                self._flags[0].fill_(sigterm)
+                self._flags[1].fill_(sigint)
+                stats = torch.cat([torch.stack([loss, gnorm]), self._flags])
+                finished = meter.pop()
+                meter.push(
                     self.step,
                     self.batches.epoch,
                     lr,
@@ -425,8 +364,7 @@ class Trainer:
                     stats,
                     distributed.all_reduce_sum_async(stats),
                 )
-                stopped = self._drain()
-                self._pending = current
+                stopped = self._report(finished)
                 every = cfg.eval.interval_steps
                 if (
                     self.evaluator
@@ -437,20 +375,21 @@ class Trainer:
                     self.validate()
                 interval = cfg.checkpoint.interval_steps
                 if interval and self.step % interval == 0 and self.step < total and not stopped:
-                    stopped = self._drain()
+                    stopped = self._report(meter.pop())  # the stop vote of this step, before saving
                     self.save()
-                    self._window = _Window(time.perf_counter())
                 stackdump.debug_stall(self.step)  # DDP_DEBUG_STALL: the watchdog's test only
                 if cfg.debug.step_delay_s:
                     time.sleep(cfg.debug.step_delay_s)
-                    self._window.start += cfg.debug.step_delay_s  # keep throughput figures honest
-            stopped = self._drain() or stopped
+                    meter.pause(cfg.debug.step_delay_s)  # keep throughput figures honest
+                collector.step(self.step)
+            stopped = self._report(meter.pop()) or stopped
             bar.close()
             if self.saved_step != self.step:
                 self.save()
         finally:
-            bar.close()
-            writer.close()
+            meter.close()
+            collector.close()
+            self.batches.close()
         if self.best.get("step") is not None and env.is_main:
             where = f" ({self.best_path})" if cfg.eval.keep_best else ""
             log.info("best val_loss %.4f at step %d%s", self.best["val_loss"], self.best["step"], where)
@@ -464,33 +403,44 @@ class Trainer:
             return code
         return self._final_check()
 
-    def _drain(self) -> signal.Signals | None:
-        """Read the pending step's all-reduced numbers (progress, log, metrics); the stop signal if any."""
-        p, self._pending = self._pending, None
-        if p is None:
+    def _log_start(self) -> None:
+        cfg, env = self.cfg, self.env
+        if not env.is_main:
+            return
+        (cfg.run_dir / "config.yaml").write_text(dump_yaml(cfg), encoding="utf-8")
+        log.info(
+            "world=%d device=%s backend=%s model=%s params=%d flops/token=%.3g step=%d/%d "
+            "batches/epoch/rank=%d",
+            env.world_size,
+            self.device,
+            torch.distributed.get_backend() if distributed.active() else "none",
+            cfg.model.name,
+            sum(p.numel() for p in self.model.parameters()),
+            self.flops_per_token,
+            self.step,
+            cfg.train.max_steps,
+            self.batches.batches_per_epoch,
+        )
+
+    def _report(self, finished: tuple[PendingStep, list[float]] | None) -> signal.Signals | None:
+        """A step's all-reduced numbers: progress bar, log line and metrics when due; the stop signal."""
+        if finished is None:
             return None
-        if p.work is not None:
-            p.work.wait()
-        loss_v, gnorm_v, stop_v = p.stats.tolist()
-        world, cfg = self.env.world_size, self.cfg
-        self.last_loss = loss_v / world
-        window = self._window
-        window.tokens += p.tokens
-        window.steps += 1
-        self._bar.update(p.step, f"loss {self.last_loss:.4f}")
-        stop = StopRequest.decode(stop_v, world)
+        p, (loss_sum, gnorm_sum, sigterm, sigint) = finished
+        world, cfg, meter = self.env.world_size, self.cfg, self.meter
+        assert meter is not None
+        self.last_loss = loss_sum / world
+        meter.bar.update(p.step, f"loss {self.last_loss:.4f}")
+        stop = StopRequest.decode(sigterm, sigint)
         due = p.step % cfg.log.interval_steps == 0 or p.step == cfg.train.max_steps
         if due or stop or p.step in self._val:
-            now = time.perf_counter()
-            self._log_step(p, gnorm_v / world, now - window.start, window)
-            self._window = _Window(now)
+            self._log_step(p, gnorm_sum / world, *meter.close_window(p))
         return stop
 
-    def _log_step(self, p: _StepStats, grad_norm: float, seconds: float, window: _Window) -> None:
+    def _log_step(self, p: PendingStep, grad_norm: float, seconds: float, tokens: int, steps: int) -> None:
         cfg, world = self.cfg, self.env.world_size
-        seconds = max(seconds, 1e-9)
-        tok_s = window.tokens / seconds
-        samples = window.steps * cfg.train.batch_size * cfg.train.grad_accum_steps * world
+        tok_s = tokens / seconds
+        samples = steps * cfg.train.batch_size * cfg.train.grad_accum_steps * world
         record: dict[str, Any] = {
             "step": p.step,
             "epoch": p.epoch,
@@ -499,7 +449,7 @@ class Trainer:
             "grad_norm": round(grad_norm, 6) if cfg.train.grad_clip > 0 else None,
             "samples_per_s": round(samples / seconds, 3),
             "tokens_per_s": round(tok_s, 3),
-            "step_time_s": round(seconds / window.steps, 6),
+            "step_time_s": round(seconds / steps, 6),
         }
         if self.peak:
             record["mfu"] = round(mfu(tok_s, self.flops_per_token, self.peak, world), 5)
@@ -513,18 +463,13 @@ class Trainer:
                 val_text += f" val_ppl {record['val_ppl']:.2f}"
             if self.best.get("val_loss") is not None:
                 record["best_val_loss"] = round(self.best["val_loss"], 6)
-        self._writer.write(record)
-        log.info(
-            "step %d/%d loss %.4f%s lr %.3g %.0f tok/s %.3f s/step%s",
-            p.step,
-            cfg.train.max_steps,
-            self.last_loss,
-            val_text,
-            p.lr,
-            tok_s,
-            record["step_time_s"],
-            f" mfu {record['mfu']:.1%}" if "mfu" in record else "",
+        mfu_text = f" mfu {record['mfu']:.1%}" if "mfu" in record else ""
+        line = (
+            f"step {p.step}/{cfg.train.max_steps} loss {self.last_loss:.4f}{val_text} lr {p.lr:.3g} "
+            f"{tok_s:.0f} tok/s {record['step_time_s']:.3f} s/step{mfu_text}"
         )
+        assert self.meter is not None
+        self.meter.emit(record, line)  # metrics.jsonl + the log line: the one place a step is reported
 
     def _final_check(self) -> int:
         digest = params_sha256(self.model)

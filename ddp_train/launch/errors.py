@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
+from ddp_train.text import one_line
+
+__all__ = ["LaunchError", "one_line"]  # one_line lives in ddp_train/text.py; launcher modules import it here
+
 
 class LaunchError(Exception):
     """Bad input (inventory, flags, config): one line naming the file and field, exit code 2."""
-
-
-def one_line(text: str, limit: int = 400) -> str:
-    """Collapse whitespace so a message fits one line; cut very long ones."""
-    flat = " ".join(str(text).split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."

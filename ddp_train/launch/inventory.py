@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_train.launch.errors import LaunchError, one_line
+from ddp_train.text import short
 
 DEFAULT_GROUP = "gpu_nodes"
 DEFAULT_MASTER_PORT = 29500
@@ -260,7 +261,7 @@ class _Vars:
         if value is None:
             return default
         if isinstance(value, (dict, list)) or value == "":
-            raise self.error(self._first(keys), f"expected a non-empty string, got {_short(value)}")
+            raise self.error(self._first(keys), f"expected a non-empty string, got {short(value)}")
         text = str(value)
         if "\x00" in text or "\n" in text:
             raise self.error(self._first(keys), "must not contain newlines or NUL bytes")
@@ -275,7 +276,7 @@ class _Vars:
         except ValueError:
             port = -1
         if isinstance(value, bool) or not 1 <= port <= 65535:
-            raise self.error(self._first(keys), f"{_short(value)} is not a TCP port (1-65535)")
+            raise self.error(self._first(keys), f"{short(value)} is not a TCP port (1-65535)")
         return port
 
     def _first(self, keys: Sequence[str]) -> str:
@@ -297,11 +298,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return str(value)
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _node(loader: Any, variables: Any, host: Any, extra: Mapping[str, Any], where: str) -> Node:
@@ -360,7 +356,7 @@ def _script_check(v: _Vars) -> str:
     if value is False:  # YAML 1.1 reads an unquoted `off` as false
         return "off"
     if not isinstance(value, str) or value not in SCRIPT_CHECK_MODES:
-        raise v.error("ddp_script_check", f"{_short(value)} is not one of strict, warn, off")
+        raise v.error("ddp_script_check", f"{short(value)} is not one of strict, warn, off")
     return value
 
 
@@ -385,7 +381,7 @@ def _patterns(v: _Vars, key: str) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(x, str) and x and "\n" not in x for x in value):
-        raise v.error(key, f"expected a list of patterns (strings), got {_short(value)}")
+        raise v.error(key, f"expected a list of patterns (strings), got {short(value)}")
     return tuple(value)
 
 
@@ -399,7 +395,7 @@ def _nproc(v: _Vars) -> str:
         n = 0
     if isinstance(value, bool) or n < 1:
         raise v.error(
-            "ddp_nproc_per_node", f"{_short(value)} is not a positive integer or one of {NPROC_WORDS}"
+            "ddp_nproc_per_node", f"{short(value)} is not a positive integer or one of {NPROC_WORDS}"
         )
     return str(n)
 
@@ -407,13 +403,13 @@ def _nproc(v: _Vars) -> str:
 def _env(v: _Vars) -> dict[str, str]:
     value = v.get("ddp_env", default={})
     if not isinstance(value, dict):
-        raise v.error("ddp_env", f"expected a mapping of environment variables, got {_short(value)}")
+        raise v.error("ddp_env", f"expected a mapping of environment variables, got {short(value)}")
     env: dict[str, str] = {}
     for key, val in value.items():
         if not ENV_NAME.match(key):
             raise v.error("ddp_env", f"{key!r} is not a valid environment variable name")
         if isinstance(val, (dict, list)) or val is None:
-            raise v.error("ddp_env", f"{key}: expected a string or number, got {_short(val)}")
+            raise v.error("ddp_env", f"{key}: expected a string or number, got {short(val)}")
         text = str(val).lower() if isinstance(val, bool) else str(val)
         if "\x00" in text:
             raise v.error("ddp_env", f"{key}: value must not contain NUL bytes")

@@ -12,7 +12,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def test_gpu_sh_smoke_prints_three_ratio_lines(repo_root):
+def test_gpu_sh_smoke_prints_every_ratio_line(repo_root):
     env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(
         ["bash", "bench/gpu.sh", "--smoke"],
@@ -23,7 +23,7 @@ def test_gpu_sh_smoke_prints_three_ratio_lines(repo_root):
         timeout=400,
     )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    codes = re.findall(r"^(G[123]) \S+ \S+ ratio=(\S+)", res.stdout, re.M)
-    assert [c for c, _ in codes] == ["G1", "G3", "G2"]
+    codes = re.findall(r"^(G\d) \S+ \S+ ratio=(\S+)", res.stdout, re.M)
+    assert [c for c, _ in codes] == ["G1", "G3", "G2", "G4", "G5", "G6"]
     ratios = dict(codes)
-    assert float(ratios["G2"]) > 0 and float(ratios["G3"]) > 0
+    assert all(float(ratios[c]) > 0 for c in ("G2", "G3", "G4", "G5"))  # G6 needs CUDA memory stats: nan

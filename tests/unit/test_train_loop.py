@@ -54,7 +54,8 @@ def test_gpt_learns_the_markov_task(tmp_path, capsys):
     records = metrics(tmp_path)
     assert records[0]["loss"] > 3.8  # ln(64) = 4.16 at init
     assert records[-1]["loss"] < 2.6  # the chain's entropy is ~0.94 nats
-    assert records[-1]["tokens_per_s"] == pytest.approx(records[-1]["samples_per_s"] * 32)
+    # both rounded to 3 decimals: on a loaded machine (~10 samples/s) that is a 1e-4 relative difference
+    assert records[-1]["tokens_per_s"] == pytest.approx(records[-1]["samples_per_s"] * 32, rel=1e-3)
     assert finals(out)[0][0] == 40
 
 
@@ -250,10 +251,12 @@ def test_a_signal_mid_run_saves_and_exits_128_plus_signal(tmp_path, capsys, sig,
     assert signal.getsignal(sig) == before  # the previous handler is back
 
 
-def test_stop_votes_decode_to_one_signal_for_every_rank():
+def test_stop_flags_decode_to_one_signal_for_every_rank():
     stop = StopRequest()
-    assert stop.vote(4) == 0 and StopRequest.decode(0, 4) is None
+    assert stop.flags() == [0.0, 0.0] and StopRequest.decode(0, 0) is None
     stop.signum = signal.SIGTERM
-    assert StopRequest.decode(stop.vote(4) * 3, 4) == signal.SIGTERM  # three ranks got SIGTERM
+    assert stop.flags() == [1.0, 0.0]
+    assert StopRequest.decode(3, 0) == signal.SIGTERM  # three ranks got SIGTERM
     stop.signum = signal.SIGINT
-    assert StopRequest.decode(stop.vote(4) + 3, 4) == signal.SIGINT  # SIGINT on one, SIGTERM on three
+    assert stop.flags() == [0.0, 1.0]
+    assert StopRequest.decode(3, 1) == signal.SIGINT  # SIGINT on one, SIGTERM on three: SIGINT wins
