@@ -347,7 +347,7 @@ def _forks(v: _Vars) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not str(value).isdigit() or int(str(value)) < 1:
-        raise v.error("ddp_forks", f"{_short(value)} is not a positive integer")
+        raise v.error("ddp_forks", f"{short(value)} is not a positive integer")
     return int(str(value))
 
 
@@ -365,14 +365,14 @@ def _gpu_health(v: _Vars) -> str:
     if value is False:  # YAML 1.1 reads an unquoted `off` as false
         return "off"
     if not isinstance(value, str) or value not in GPU_HEALTH_MODES:
-        raise v.error("ddp_gpu_health", f"{_short(value)} is not one of strict, warn, off")
+        raise v.error("ddp_gpu_health", f"{short(value)} is not one of strict, warn, off")
     return value
 
 
 def _flag(v: _Vars, key: str) -> bool:
     value = v.get(key, default=False)
     if not isinstance(value, bool):
-        raise v.error(key, f"expected true or false, got {_short(value)}")
+        raise v.error(key, f"expected true or false, got {short(value)}")
     return value
 
 
