@@ -136,3 +136,13 @@ def test_job_log_prefixes_lines_and_masks_secrets(tmp_path: Path) -> None:
     assert text.rstrip().endswith("[node1 r1] token is ***")
     assert "s3cr3t-v" not in console.read_text() + text + (tmp_path / "logs/job1/launcher.log").read_text()
     assert "[node1 r1] token is ***" in console.read_text()
+
+
+def test_the_documented_prod_inventory_dry_runs(capsys: pytest.CaptureFixture) -> None:
+    """README's `ddp-launch --hosts inventory/prod --dry-run` works on the example as shipped: SSH on the
+    management network, the rendezvous on the training network (ddp_master_addr in ddp_network_cidr)."""
+    prod = str(Path(LOCAL_INV).parent / "prod")
+    code, out, err = run_main(["--hosts", prod, "--dry-run"], capsys)
+    assert code == 0, err
+    assert out.count("--master-addr 198.51.100.10") == 3
+    assert out.count("--node-rank") == 3
