@@ -9,6 +9,7 @@ someone else changed them meanwhile (another job may raise them too; this never 
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 from pathlib import Path
 
@@ -89,4 +90,18 @@ def test_the_thresholds_follow_the_cluster_size_and_verify_checks_them(threshold
     named = f"net.ipv4.neigh.default.gc_thresh3 is {t3}, below the {2 * t3} that {2 * nodes} nodes need"
     assert bigger.returncode == 2, bigger.out[-3000:]
     assert named in bigger.out, bigger.out[-3000:]
-    assert live() == want, "the check changes nothing"
+
+
+def test_a_sysctl_file_that_would_lower_them_at_boot_is_named(thresholds, playbook, tmp_path):
+    before, _ = thresholds
+    others = tmp_path / "sysctl.d"
+    others.mkdir()
+    (others / "50-admin.conf").write_text("net.ipv4.neigh.default.gc_thresh3 = 16\n")  # applied before: fine
+    (others / "99-zzzz-late.conf").write_text("net/ipv4/neigh/default/gc_thresh3=32\n")
+    files = json.dumps({"_cluster_hosts_sysctl_files": [f"{others}/*.conf"]})
+    res = _run(playbook, tmp_path, 3, "-e", "cluster_hosts_neigh_gc_thresh3_min=64", "-e", files)
+    assert res.returncode == 2, res.out[-3000:]
+    named = f"{others}/99-zzzz-late.conf sets net.ipv4.neigh.default.gc_thresh3 = 32, and it applies after"
+    assert named in res.out, res.out[-3000:]
+    assert "50-admin.conf sets" not in res.out
+    assert live() == before
