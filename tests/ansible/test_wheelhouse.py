@@ -14,6 +14,7 @@ import base64
 import hashlib
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -34,27 +35,30 @@ WHEELHOUSE = "/var/cache/ddp-train/wheelhouse"
 PINNED = ["pyyaml==6.0.4"]
 
 
-def _fake_torch(dest: Path) -> Path:
-    """A pure-Python wheel named torch 2.13.0+cpu: __version__ and version.cuda, nothing else."""
-    files = {
-        "torch/__init__.py": '__version__ = "2.13.0+cpu"\nfrom . import version  # noqa\n',
-        "torch/version.py": "cuda = None\n",
-        "torch-2.13.0+cpu.dist-info/METADATA": "Metadata-Version: 2.1\nName: torch\nVersion: 2.13.0+cpu\n",
-        "torch-2.13.0+cpu.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
-        "Tag: py3-none-any\n",
-    }
+def _fake_wheel(dest: Path, name: str, version: str, files: dict[str, str]) -> Path:
+    """A pure-Python wheel of the given files."""
+    info = f"{name}-{version}.dist-info"
+    files = dict(files)
+    files[f"{info}/METADATA"] = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    files[f"{info}/WHEEL"] = "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
     record = []
-    for name, text in files.items():
+    for path, text in files.items():
         digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
-        record.append(f"{name},sha256={digest},{len(text.encode())}")
-    files["torch-2.13.0+cpu.dist-info/RECORD"] = (
-        "\n".join([*record, "torch-2.13.0+cpu.dist-info/RECORD,,"]) + "\n"
-    )
-    whl = dest / "torch-2.13.0+cpu-py3-none-any.whl"
+        record.append(f"{path},sha256={digest},{len(text.encode())}")
+    files[f"{info}/RECORD"] = "\n".join([*record, f"{info}/RECORD,,"]) + "\n"
+    whl = dest / f"{name}-{version}-py3-none-any.whl"
     with zipfile.ZipFile(whl, "w") as z:
-        for name, text in files.items():
-            z.writestr(name, text)
+        for path, text in files.items():
+            z.writestr(path, text)
     return whl
+
+
+def _fake_torch(dest: Path) -> Path:
+    """A wheel named torch 2.13.0+cpu: __version__ and version.cuda, nothing else."""
+    init = '__version__ = "2.13.0+cpu"\nfrom . import version  # noqa\n'
+    return _fake_wheel(
+        dest, "torch", "2.13.0+cpu", {"torch/__init__.py": init, "torch/version.py": "cuda = None\n"}
+    )
 
 
 def _drop_outbound(tb, host, allow_index: bool) -> None:
@@ -116,9 +120,9 @@ def index(tmp_path_factory):
         server.wait(timeout=10)
 
 
-def _converge(playbook, tb, **extra: str):
+def _converge(playbook, tb, **extra):
     args = {"pytorch_cuda": "cpu", "pytorch_index_url": "", "pytorch_install_os_packages": False}
-    args.update(pytorch_extra_packages=PINNED, **extra)
+    args.update({"pytorch_extra_packages": PINNED, **extra})
     return playbook("-i", str(tb.inventory), "-e", json.dumps(args), "playbooks/pytorch.yml")
 
 
@@ -166,16 +170,34 @@ def test_the_index_is_read_once_and_the_nodes_install_from_the_wheelhouse(cluste
     assert len(_wheel_gets(log)) == len(gets), "a re-run does not read the index again"
 
 
-def test_an_air_gapped_cluster_gets_the_controllers_wheels_once(cluster, index, playbook):
-    d, _ = index
+def test_an_air_gapped_cluster_gets_the_controllers_wheels_once(cluster, index, playbook, tmp_path):
+    # Another pinned set than the first test's: its wheels plus one more package.
+    d = tmp_path / "wheels"
+    shutil.copytree(index[0], d)
+    _fake_wheel(d, "prvextra", "1.0", {"prvextra.py": "OK = 1\n"})
+    pinned = [*PINNED, "prvextra==1.0"]
     hosts = cluster.hosts()
     for h in hosts:
         _drop_outbound(cluster, h, allow_index=False)
     assert not any(_can_reach_index(cluster, h) for h in hosts)
 
-    res = _converge(playbook, cluster, pytorch_wheelhouse_src=str(d))
+    # Something listening on the wheelhouse's port (MASTER_PORT) of node0: refused in one line.
+    listener = "import socket, time; s = socket.create_server(('', 29500)); time.sleep(600)"
+    cluster.exec(
+        hosts[0], f'setsid python3 -c "{listener}" > /dev/null 2>&1 < /dev/null & echo $! > /tmp/prv-l.pid'
+    )
+    try:
+        busy = _converge(playbook, cluster, pytorch_wheelhouse_src=str(d), pytorch_extra_packages=pinned)
+    finally:
+        cluster.exec(hosts[0], "kill $(cat /tmp/prv-l.pid); rm -f /tmp/prv-l.pid", check=False)
+    assert busy.returncode == 2, busy.out[-3000:]
+    assert "port 29500 is in use on the wheelhouse host node0" in busy.out, busy.out[-3000:]
+
+    res = _converge(playbook, cluster, pytorch_wheelhouse_src=str(d), pytorch_extra_packages=pinned)
     assert res.returncode == 0, res.out[-5000:]
-    assert "Copy the controller's wheels into the wheelhouse" in res.out
+    assert re.search(
+        r"Copy the controller's wheels into the wheelhouse \(air-gapped\)\] \**\nchanged: \[node0", busy.out
+    )
     sets = cluster.exec(hosts[0], f"ls {WHEELHOUSE}").stdout.split()
     assert len(sets) == 2, f"a second pinned set (from the controller's wheels) next to the first: {sets}"
     for h in hosts:
@@ -184,4 +206,4 @@ def test_an_air_gapped_cluster_gets_the_controllers_wheels_once(cluster, index, 
             h, f"sha1sum < {VENV}/share/ddp-train/wheelhouse-requirements.txt"
         ).stdout.split()[0]
         assert marker == lock, h.name
-        assert cluster.exec(h, f"{VENV}/bin/python -c 'import yaml'", check=False).returncode == 0
+        assert cluster.exec(h, f"{VENV}/bin/python -c 'import yaml, prvextra'", check=False).returncode == 0
