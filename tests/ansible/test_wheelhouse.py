@@ -1,0 +1,209 @@
+"""The pytorch role fetches the pinned set from the index once per cluster: the wheelhouse host downloads
+it, keeps every file's sha256 in a lock, and serves it over the cluster network while every node installs
+exactly those files with --no-index --require-hashes. The nodes have outbound traffic dropped (nftables
+in each namespace): only the wheelhouse host may reach "the index" (an HTTP server on the controller)
+in the first case, none in the air-gapped case, which copies the controller's wheels once instead.
+
+The pinned set is small: a stand-in torch wheel (torch 2.13.0+cpu, a few bytes, enough for the role's
+fingerprint and its pinned-version check) and the real PyYAML wheel, so no host downloads torch here.
+Testbed prefix prv, net 10.213.120."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import tests.conftest as root_conftest
+
+pytestmark = pytest.mark.testbed
+
+NET = "10.213.120"
+INDEX = f"{NET}.1"  # the controller, on the testbed's bridge
+INDEX_PORT = 18765
+VENV = "/opt/ddp-train/venv"
+WHEELHOUSE = "/var/cache/ddp-train/wheelhouse"
+PINNED = ["pyyaml==6.0.4"]
+
+
+def _fake_wheel(dest: Path, name: str, version: str, files: dict[str, str]) -> Path:
+    """A pure-Python wheel of the given files."""
+    info = f"{name}-{version}.dist-info"
+    files = dict(files)
+    files[f"{info}/METADATA"] = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    files[f"{info}/WHEEL"] = "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    record = []
+    for path, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(text.encode())}")
+    files[f"{info}/RECORD"] = "\n".join([*record, f"{info}/RECORD,,"]) + "\n"
+    whl = dest / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        for path, text in files.items():
+            z.writestr(path, text)
+    return whl
+
+
+def _fake_torch(dest: Path) -> Path:
+    """A wheel named torch 2.13.0+cpu: __version__ and version.cuda, nothing else."""
+    init = '__version__ = "2.13.0+cpu"\nfrom . import version  # noqa\n'
+    return _fake_wheel(
+        dest, "torch", "2.13.0+cpu", {"torch/__init__.py": init, "torch/version.py": "cuda = None\n"}
+    )
+
+
+def _drop_outbound(tb, host, allow_index: bool) -> None:
+    """Outbound traffic of the host dropped, except its cluster peers (and the index, if allowed).
+
+    The host's pip configuration (this machine's, through the /etc overlay) goes too: pip knows only
+    what the role tells it."""
+    index_rule = f"ip daddr {INDEX} tcp dport {INDEX_PORT} accept; " if allow_index else ""
+    pip_conf = "/etc/pip.conf /etc/xdg/pip/pip.conf /root/.config/pip/pip.conf /root/.pip/pip.conf"
+    tb.exec(host, f"nft delete table inet prvout 2>/dev/null; rm -f {pip_conf}")
+    tb.exec(
+        host,
+        "nft -f - <<'EOF'\ntable inet prvout {\n chain output {\n"
+        "  type filter hook output priority 0; policy drop;\n"
+        f"  oif lo accept; ct state established,related accept; {index_rule}\n"
+        f"  ip daddr {INDEX} counter drop; ip daddr {NET}.0/24 accept;\n }}\n}}\nEOF",
+    )
+
+
+def _can_reach_index(tb, host) -> bool:
+    probe = f"import socket; socket.create_connection(('{INDEX}', {INDEX_PORT}), timeout=2)"
+    return tb.exec(host, f'python3 -c "{probe}"', check=False).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with root_conftest.private_testbed("prv", NET, 3) as tb:
+        yield tb
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory):
+    """A package index on the controller: a directory of the pinned set's wheels served over HTTP."""
+    d = tmp_path_factory.mktemp("index")
+    _fake_torch(d)
+    dl = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--only-binary=:all:",
+        "--dest",
+        str(d),
+        *PINNED,
+    ]
+    subprocess.run(dl, check=True, capture_output=True, timeout=300)
+    log = d.parent / "index.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "http.server", "--bind", INDEX, "--directory", str(d), str(INDEX_PORT)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        yield d, log
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def _converge(playbook, tb, **extra):
+    args = {"pytorch_cuda": "cpu", "pytorch_index_url": "", "pytorch_install_os_packages": False}
+    args.update({"pytorch_extra_packages": PINNED, **extra})
+    return playbook("-i", str(tb.inventory), "-e", json.dumps(args), "playbooks/pytorch.yml")
+
+
+def _recap(out: str) -> dict[str, int]:
+    return {
+        h: int(c)
+        for h, c in re.findall(r"^(node\d)\s+: ok=\d+\s+changed=(\d+)\s+unreachable=0\s+failed=0", out, re.M)
+    }
+
+
+def _wheel_gets(log: Path) -> list[str]:
+    time.sleep(0.2)
+    return re.findall(r'"GET /(\S+\.whl) HTTP', log.read_text())
+
+
+def test_the_index_is_read_once_and_the_nodes_install_from_the_wheelhouse(cluster, index, playbook):
+    d, log = index
+    hosts = cluster.hosts()
+    for i, h in enumerate(hosts):
+        _drop_outbound(cluster, h, allow_index=i == 0)
+    assert _can_reach_index(cluster, hosts[0])
+    assert not any(_can_reach_index(cluster, h) for h in hosts[1:]), "node1, node2 must have no way out"
+
+    find_links = f"--no-index --find-links http://{INDEX}:{INDEX_PORT}/ --trusted-host {INDEX}"
+    res = _converge(playbook, cluster, pytorch_pip_extra_args=find_links)
+    assert res.returncode == 0, res.out[-5000:]
+
+    gets = sorted(g.replace("%2B", "+") for g in _wheel_gets(log))
+    assert gets == sorted(p.name for p in d.glob("*.whl")), f"each wheel once from the index, got {gets}"
+    for h in hosts:
+        versions = cluster.exec(
+            h, f"{VENV}/bin/python -c 'import torch, yaml; print(torch.__version__, yaml.__version__)'"
+        )
+        assert versions.stdout.split() == ["2.13.0+cpu", "6.0.4"], h.name
+        assert '"torch": "2.13.0+cpu"' in cluster.exec(h, f"cat {VENV}/ddp-train-fingerprint.json").stdout
+    lock = cluster.exec(hosts[0], f"cat {WHEELHOUSE}/*/requirements.txt").stdout
+    assert re.fullmatch(r"(\S+==\S+ --hash=sha256:[0-9a-f]{64}\n){2}", lock), lock
+    assert cluster.exec(hosts[1], f"cat {VENV}/share/ddp-train/wheelhouse-requirements.txt").stdout == lock
+    listening = cluster.exec(hosts[0], "ss -Hltn 'sport = :29500'").stdout
+    assert listening == "", "the wheelhouse is no longer served after the install"
+
+    again = _converge(playbook, cluster, pytorch_pip_extra_args=find_links)
+    assert again.returncode == 0, again.out[-5000:]
+    assert _recap(again.out) == {"node0": 0, "node1": 0, "node2": 0}, again.out[-3000:]
+    assert len(_wheel_gets(log)) == len(gets), "a re-run does not read the index again"
+
+
+def test_an_air_gapped_cluster_gets_the_controllers_wheels_once(cluster, index, playbook, tmp_path):
+    # Another pinned set than the first test's: its wheels plus one more package.
+    d = tmp_path / "wheels"
+    shutil.copytree(index[0], d)
+    _fake_wheel(d, "prvextra", "1.0", {"prvextra.py": "OK = 1\n"})
+    pinned = [*PINNED, "prvextra==1.0"]
+    hosts = cluster.hosts()
+    for h in hosts:
+        _drop_outbound(cluster, h, allow_index=False)
+    assert not any(_can_reach_index(cluster, h) for h in hosts)
+
+    # Something listening on the wheelhouse's port (MASTER_PORT) of node0: refused in one line.
+    listener = "import socket, time; s = socket.create_server(('', 29500)); time.sleep(600)"
+    cluster.exec(
+        hosts[0], f'setsid python3 -c "{listener}" > /dev/null 2>&1 < /dev/null & echo $! > /tmp/prv-l.pid'
+    )
+    try:
+        busy = _converge(playbook, cluster, pytorch_wheelhouse_src=str(d), pytorch_extra_packages=pinned)
+    finally:
+        cluster.exec(hosts[0], "kill $(cat /tmp/prv-l.pid); rm -f /tmp/prv-l.pid", check=False)
+    assert busy.returncode == 2, busy.out[-3000:]
+    assert "port 29500 is in use on the wheelhouse host node0" in busy.out, busy.out[-3000:]
+
+    res = _converge(playbook, cluster, pytorch_wheelhouse_src=str(d), pytorch_extra_packages=pinned)
+    assert res.returncode == 0, res.out[-5000:]
+    assert re.search(
+        r"Copy the controller's wheels into the wheelhouse \(air-gapped\)\] \**\nchanged: \[node0", busy.out
+    )
+    sets = cluster.exec(hosts[0], f"ls {WHEELHOUSE}").stdout.split()
+    assert len(sets) == 2, f"a second pinned set (from the controller's wheels) next to the first: {sets}"
+    for h in hosts:
+        marker = cluster.exec(h, f"cat {VENV}/share/ddp-train/installed-wheelhouse.sha1").stdout
+        lock = cluster.exec(
+            h, f"sha1sum < {VENV}/share/ddp-train/wheelhouse-requirements.txt"
+        ).stdout.split()[0]
+        assert marker == lock, h.name
+        assert cluster.exec(h, f"{VENV}/bin/python -c 'import yaml, prvextra'", check=False).returncode == 0
