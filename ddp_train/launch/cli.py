@@ -249,11 +249,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         trainer_args = tail
     if doctor and trainer_args:
         return _usage("doctor takes no trainer arguments after --")
-    if not doctor and opts.detach and not opts.dry_run:
-        from ddp_train.launch.jobcmds import detach
+    if not doctor and opts.detach and not opts.dry_run and not opts.monitor:
+        from ddp_train.launch.jobcmds import detach, without_detach
         from ddp_train.launch.plan import new_job_id
 
-        rest = [a for a in args if a != "--detach"] + ([] if tail is None else ["--", *tail])
+        rest = without_detach(args) + ([] if tail is None else ["--", *tail])
         return detach(rest, opts.job_id or new_job_id(), opts.log_dir)
     try:
         plan = _plan(opts, trainer_args, doctor)

@@ -77,6 +77,15 @@ _DESCRIPTIONS = {
 # ---- detach ---------------------------------------------------------------------------------------
 
 
+def without_detach(args: list[str]) -> list[str]:
+    """The launcher's arguments less its --detach (argparse also takes a prefix such as --deta): the
+    first one only, so a --detach among the script's own arguments further on stays."""
+    for i, a in enumerate(args):
+        if len(a) > 4 and "--detach".startswith(a):
+            return args[:i] + args[i + 1 :]
+    return list(args)
+
+
 def detach(run_args: list[str], job_id: str, log_dir: str) -> int:
     """Start the monitor in the background, show its output until the job runs, return."""
     job_dir = Path(log_dir) / job_id
@@ -109,6 +118,11 @@ def detach(run_args: list[str], job_id: str, log_dir: str) -> int:
         os.kill(proc.pid, signal.SIGTERM)
         print(f"\nddp-launch: interrupted; stopping job {job_id} (monitor pid {proc.pid})", file=sys.stderr)
         return 130
+    if code is None and data.get("state") == "finished":  # it wrote its end; its process is exiting
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            code = int(data.get("exit_code") or 1)
     if code is not None:  # the monitor ended before the job ran (preflight failed, bad input ...)
         time.sleep(POLL_S)
         _show_new(console_path, shown, sys.stdout)

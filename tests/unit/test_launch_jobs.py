@@ -262,3 +262,47 @@ def test_on_a_tty_one_live_status_line_stays_under_the_scrolling_lines(tmp_path:
     log.line("local0", "local0 r0", "hello")
     log.close()
     assert plain.getvalue() == "[local0 r0] hello\n"  # not a TTY: no live line, no escapes
+
+
+def test_detach_returns_the_monitors_failure_when_it_wrote_its_end_before_exiting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """The monitor writes state finished (exit 3: preflight failed) in a finally, then its interpreter
+    takes a moment to exit: detach must wait for it and return 3, never say "runs detached" with 0."""
+    from ddp_train.launch import jobcmds
+
+    class Monitor:  # the state is already written; poll() says still running until wait()
+        pid = 4242
+
+        def __init__(self, argv: list[str], **kw: object) -> None:
+            kw["stdout"].write(b"ddp-launch: preflight failed on 1 node(s); nothing was started\n")  # type: ignore[attr-defined]
+            kw["stdout"].flush()  # type: ignore[attr-defined]
+            _job(tmp_path, "j1", self.pid, state="finished")
+            path = jobstate.state_path(tmp_path, "j1")
+            jobstate.write_state(path, {**jobstate.read_state(path), "exit_code": 3})
+            self.waited = False
+
+        def poll(self) -> int | None:
+            return 3 if self.waited else None
+
+        def wait(self, timeout: float | None = None) -> int:
+            self.waited = True
+            return 3
+
+    monkeypatch.setattr(jobcmds.subprocess, "Popen", Monitor)
+    assert jobcmds.detach(["--hosts", "x"], "j1", str(tmp_path)) == 3
+    out = capsys.readouterr().out
+    assert "preflight failed" in out and "runs detached" not in out
+
+
+def test_only_the_launchers_detach_is_dropped_for_the_monitor() -> None:
+    from ddp_train.launch.jobcmds import without_detach
+
+    assert without_detach(["--hosts", "inv", "--deta", "train.py", "--detach"]) == [
+        "--hosts",
+        "inv",
+        "train.py",
+        "--detach",
+    ]
+    assert without_detach(["--detach", "--hosts", "inv"]) == ["--hosts", "inv"]
+    assert without_detach(["--hosts", "inv"]) == ["--hosts", "inv"]
