@@ -86,6 +86,7 @@ class NodeRun:
     stream: Stream | None = None
     pgid: int | None = None
     started: bool = False
+    env_sent: bool = False  # the environment line went first on stdin: heartbeats may follow
     code: int | None = None
     lost: str | None = None
     error: str | None = None  # could not connect/start
@@ -195,7 +196,7 @@ class Job:
             t.start()
         self.launched = True
         heartbeat = Heartbeat(
-            lambda: [r.stream.send for r in self.runs if r.started and r.stream and not r.done.is_set()]
+            lambda: [r.stream.send for r in self.runs if r.env_sent and r.stream and not r.done.is_set()]
         )
         heartbeat.start()
         self.on_state("running")
@@ -280,6 +281,7 @@ class Job:
             # The environment never appears in a command line. Stdin then stays open: the lifeline
             # (launch/lifeline.py), whose EOF or silence makes the node stop itself.
             r.stream.send(node_env_line(env_line(r.plan), self.plan.job_id))
+            r.env_sent = True  # not before: a heartbeat ahead of it would be read as the environment
             self.log.note(
                 f"{r.plan.label}: started: {command(r.plan, masked=True)} (environment on stdin: "
                 f"{shown_env(r.plan)})",
