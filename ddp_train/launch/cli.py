@@ -599,6 +599,8 @@ def _launch_job(plan: JobPlan, opts: argparse.Namespace, log: JobLog, state: Pat
             plan, notes = rdma.with_ib_hca(plan, report.checks)  # NCCL_IB_HCA: each node's active ports
             for line in notes:
                 log.note(f"rdma: {line}")
+            # netif.apply re-ranks under c10d (torchrun orders nodes by --local-addr): status reads rank 0
+            jobstate.update_state(state, nodes=jobstate.initial_state(plan, [], False)["nodes"])
         if plan.config:
 
             def ship(p: NodePlan) -> str | None:

@@ -21,6 +21,12 @@ FETCH_EVERY_S = 30.0
 PLOT_HINT = "pip install 'ddp-train[plot]' (or: pip install matplotlib)"
 
 
+def rank0(plan: Any) -> Any:
+    """The node plan of rank 0: under c10d torchrun orders nodes by --local-addr, so after netif.apply
+    it need not be plan.master (the rendezvous host)."""
+    return next((p for p in plan.nodes if p.rank == 0), plan.master)
+
+
 def metrics_location(plan: Any, config: str | None, overrides: Any) -> dict[str, Any] | None:
     """{"host", "path", "local"} of rank 0's metrics.jsonl for the packaged trainer; None otherwise."""
     if plan.script:
@@ -33,7 +39,7 @@ def metrics_location(plan: Any, config: str | None, overrides: Any) -> dict[str,
         return None
     if not cfg.log.jsonl:
         return None
-    master = plan.master
+    master = rank0(plan)
     run_dir = posixpath.join(cfg.run.dir, cfg.run.name)
     if not posixpath.isabs(run_dir) and not run_dir.startswith("~"):
         run_dir = posixpath.join(master.cwd or ".", run_dir)
@@ -100,7 +106,7 @@ def start(plan: Any, config: str | None, overrides: Any, job_dir: Path, connect_
     from ddp_train.launch import jobstate
 
     jobstate.update_state(job_dir / jobstate.STATE_FILE, metrics=where)
-    fetcher = Fetcher(where, plan.master.node, job_dir / "metrics.jsonl", connect_timeout)
+    fetcher = Fetcher(where, rank0(plan).node, job_dir / "metrics.jsonl", connect_timeout)
     fetcher.start()
     return fetcher
 

@@ -306,3 +306,15 @@ def test_only_the_launchers_detach_is_dropped_for_the_monitor() -> None:
     ]
     assert without_detach(["--detach", "--hosts", "inv"]) == ["--hosts", "inv"]
     assert without_detach(["--hosts", "inv"]) == ["--hosts", "inv"]
+
+
+def test_metrics_come_from_rank_0_even_when_it_is_not_the_rendezvous_host() -> None:
+    """Under c10d torchrun ranks nodes by --local-addr, so rank 0 can be another node than plan.master."""
+    from types import SimpleNamespace as NS
+
+    from ddp_train.launch.metricsview import metrics_location
+
+    gpu01 = NS(rank=1, cwd="/srv/w", node=NS(name="gpu01", local=False))
+    gpu02 = NS(rank=0, cwd="/srv/w", node=NS(name="gpu02", local=False))
+    where = metrics_location(NS(script=None, master=gpu01, nodes=[gpu01, gpu02]), None, [])
+    assert where is not None and where["host"] == "gpu02" and where["path"].endswith("metrics.jsonl")
