@@ -35,6 +35,12 @@ def ansible_forks() -> int:
     return value if value > 0 else ANSIBLE_DEFAULT_FORKS
 
 
+def rounds(n: int, forks: int | None = None) -> int:
+    """How many batches `parallel` needs for n items: what a step that waits on all of them must allow."""
+    bound = forks or _forks or n or 1
+    return -(-n // bound)
+
+
 def parallel(fn: Callable[[Any], T], items: Sequence[Any], forks: int | None = None) -> list[T]:
     """fn over items in at most `forks` threads (default: set_forks's), results in order."""
     if not items:

@@ -19,7 +19,7 @@ from typing import Any
 
 from ddp_train.launch import gpuhealth, netif, rdma
 from ddp_train.launch.errors import LaunchError, one_line
-from ddp_train.launch.fanout import parallel
+from ddp_train.launch.fanout import parallel, rounds
 from ddp_train.launch.logs import table
 from ddp_train.launch.plan import JobPlan, NodePlan, resolve
 from ddp_train.launch.remote import RemoteError, Session, Stream, open_session
@@ -510,7 +510,10 @@ def _check_network(plan: JobPlan, checks: list[NodeCheck], timeout: float) -> No
                 c.warnings.append("network checks skipped: the master failed its checks")
         return
     token = secrets.token_hex(8)
-    life = str(timeout * 4 + 60)
+    # Listeners end on stdin EOF (finally below); their own life is the fallback if the controller dies.
+    # Starting them and probing from them both go `forks` nodes at a time, each probe batch up to two
+    # tries of `timeout`: the first listeners must outlive the last batch (hundreds of nodes, forks 5).
+    life = str(int(timeout * 4 + 60 + rounds(len(ready)) * (3 * timeout + 10)))
     port = plan.master_port
 
     def start(c: NodeCheck) -> tuple[Stream | None, dict[str, Any]]:

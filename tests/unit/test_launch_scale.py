@@ -39,6 +39,7 @@ def test_parallel_runs_at_most_forks_at_once_and_keeps_order(monkeypatch: pytest
     peak[0] = 0
     fanout.parallel(work, list(range(12)))  # no bound set: one thread per item
     assert peak[0] > 3
+    assert (fanout.rounds(12, 3), fanout.rounds(13, 3), fanout.rounds(12)) == (4, 5, 1)
 
 
 @pytest.mark.parametrize(
