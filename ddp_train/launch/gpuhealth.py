@@ -70,18 +70,26 @@ OFF_BUS_LINE = re.compile(r"NVRM: The NVIDIA GPU ([0-9a-fA-F]+):([0-9a-fA-F]{2})
 COLLECT = r"""
 def _ddp_gpu_health(argv, fields, remap_fields):
     import os, re, shutil, subprocess, time
-    end = time.time() + 90  # the probe's SSH call allows 120 s in all
+    # The probe's SSH call allows 120 s in all, counted from the probe's start (_DDP_T0, set first thing
+    # in preflight.PROBE: the torch import before this may already have used some of it).
+    end = globals().get("_DDP_T0", time.time()) + 90
     def run(cmd, limit=20):
         left = max(1, int(min(limit, end - time.time())))
         try:
-            p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               stdin=subprocess.DEVNULL, timeout=left, universal_newlines=True,
-                               errors="replace")
-            return [p.returncode, p.stdout[-30000:]]
-        except subprocess.TimeoutExpired:
-            return [124, "%s timed out after %ds" % (os.path.basename(cmd[0]), left)]
+            p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, universal_newlines=True, errors="replace")
         except OSError as e:
             return [126, "%s: %s" % (cmd[0], e.strerror or e)]
+        try:
+            out = p.communicate(timeout=left)[0]
+            return [p.returncode, out[-30000:]]
+        except subprocess.TimeoutExpired:
+            p.kill()  # an nvidia-smi stuck in D state (GPU off the bus) may never die: don't wait on it
+            try:
+                p.communicate(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
+            return [124, "%s timed out after %ds" % (os.path.basename(cmd[0]), left)]
     h = {"driver": os.path.exists("/proc/driver/nvidia/version"), "smi": shutil.which("nvidia-smi")}
     if not h["smi"] and not h["driver"]:
         return h  # no NVIDIA GPU here: nothing to check

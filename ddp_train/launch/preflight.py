@@ -31,6 +31,7 @@ COMPARED = ("python_minor", "torch", "cuda", "nccl", "gpus", "ddp_train")  # mus
 
 # Runs with the node's venv python and env: versions, GPUs, hostname resolution, files the job needs.
 PROBE = r"""
+import time as _ddp_time; _DDP_T0 = _ddp_time.time()  # appended snippets budget their time from here
 import importlib.util, json, os, shutil, socket, sys
 venv, workdir = sys.argv[1], sys.argv[2]
 r = {"python": "%d.%d.%d" % sys.version_info[:3], "executable": sys.executable}
@@ -114,8 +115,8 @@ except (OSError, ValueError):
     pass
 """
 PROBE += rdma.PROBE_SRC + 'print("DDP-PROBE " + json.dumps(r), flush=True)\n'  # RDMA ports from sysfs
-PROBE += gpuhealth.COLLECT  # GPU health facts in the same round trip (its own output line)
 PROBE += netif.PROBE  # the node's interfaces (netif.py) in the same round trip (its own output line)
+PROBE += gpuhealth.COLLECT  # GPU health facts, last: it may use what is left of the time (its own line)
 
 # Listens on MASTER_PORT (master only) and on an ephemeral port; answers each connection with a token.
 LISTENER = r"""

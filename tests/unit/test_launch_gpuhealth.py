@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -338,3 +339,24 @@ def test_check_and_doctor_row_follow_ddp_gpu_health_and_the_job(node, mode, npro
     assert gpuhealth.render([c]).splitlines()[1].split()[-2:] == status.split()
     cpu_node = SimpleNamespace(plan=plan, facts={"gpus": 0, "gpu_health": {"driver": False, "smi": None}})
     assert gpuhealth.render([cpu_node]) is None
+
+
+def test_a_hung_nvidia_smi_gets_what_is_left_of_the_probes_time(node, tmp_path):
+    """The budget counts from the probe's start (_DDP_T0, before the torch import), not from the
+    collector's: with 87 of its 90 s gone, a hanging nvidia-smi is killed after ~3 s and the probe's
+    other lines still get out well inside the SSH call's 120 s."""
+    bin_dir, rec = node
+    (bin_dir / "nvidia-smi").unlink()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexec sleep 600\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "DDP_FAKE_GPU_DIR": str(rec)}
+    script = "import json, sys, time\n_DDP_T0 = time.time() - 87\n" + gpuhealth.COLLECT
+    t0 = time.monotonic()
+    res = subprocess.run(
+        [sys.executable, "-c", script, "v", "w"], env=env, capture_output=True, text=True, timeout=60
+    )
+    took = time.monotonic() - t0
+    raw = gpuhealth.parse_probe_output(res.stdout)
+    assert raw is not None, res.stdout + res.stderr
+    assert raw["query"][0] == 124 and "timed out" in raw["query"][1]
+    assert took < 12, took  # from its own start it would have waited 20 s (the per-command limit)
