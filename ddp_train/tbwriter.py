@@ -8,6 +8,7 @@ in <run dir>/tensorboard/, one scalar per numeric field, tagged train/<field> (v
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 INSTALL_HINT = "pip install 'ddp-train[tensorboard]' (or: pip install tensorboard)"
@@ -34,14 +35,16 @@ class _Tee:
 
 def tee(jsonl: Any, cfg: Any, is_main: bool) -> Any:
     """The metrics writer of a run: the JSONL writer, plus TensorBoard on rank 0 when asked."""
-    if not is_main or not getattr(cfg.log, "tensorboard", False):
+    if not getattr(cfg.log, "tensorboard", False):
         return jsonl
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as e:
+    # Checked on every rank, not only where it is used: rank 0 alone exiting would leave the others
+    # waiting in their first all-reduce until the collective timeout.
+    if importlib.util.find_spec("tensorboard") is None:
         from ddp_train.config import ConfigError
 
-        raise ConfigError(
-            "config", "log.tensorboard", f"needs the tensorboard package ({e}): {INSTALL_HINT}"
-        ) from None
+        raise ConfigError("config", "log.tensorboard", f"needs the tensorboard package: {INSTALL_HINT}")
+    if not is_main:
+        return jsonl
+    from torch.utils.tensorboard import SummaryWriter
+
     return _Tee(jsonl, SummaryWriter(log_dir=str(cfg.run_dir / "tensorboard")))

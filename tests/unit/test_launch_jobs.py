@@ -318,3 +318,21 @@ def test_metrics_come_from_rank_0_even_when_it_is_not_the_rendezvous_host() -> N
     gpu02 = NS(rank=0, cwd="/srv/w", node=NS(name="gpu02", local=False))
     where = metrics_location(NS(script=None, master=gpu01, nodes=[gpu01, gpu02]), None, [])
     assert where is not None and where["host"] == "gpu02" and where["path"].endswith("metrics.jsonl")
+
+
+def test_a_missing_tensorboard_fails_every_rank_not_only_rank_0(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    from ddp_train import tbwriter
+    from ddp_train.config import ConfigError, load_config
+
+    cfg = load_config(None, [f"run.dir={tmp_path}", "log.tensorboard=true"])
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "tensorboard" else real(n, *a)
+    )
+    for is_main in (True, False):
+        with pytest.raises(ConfigError, match="log.tensorboard"):
+            tbwriter.tee(object(), cfg, is_main)
