@@ -279,7 +279,10 @@ def _controller_limits(plan: JobPlan, opts: argparse.Namespace) -> None:
     if opts.forks is not None and opts.forks < 1:
         raise LaunchError(f"--forks {opts.forks}: must be >= 1")
     raise_nofile(len(plan.nodes))
-    set_forks(opts.forks or plan.nodes[0].node.forks or ansible_forks())
+    from ddp_train.launch.plan import same
+
+    forks = opts.forks or same([p.node for p in plan.nodes], "ddp_forks", lambda n: n.forks)
+    set_forks(forks or ansible_forks())
 
 
 def _usage(message: str) -> int:
