@@ -232,6 +232,11 @@ def test_seed_script_on_the_embedded_local_inventory(tmp_path: Path, repo_root: 
     code, out = run()
     if code != 0 and "address already in use" in out.lower():  # another run on this machine took the port
         code, out = run()
+    if code != 0 and "terminate called without an active exception" in out and "seed-script: rank=0" in out:
+        # Seen once in CI under load: both ranks printed their result, then aborted in gloo's teardown at
+        # interpreter exit (upstream: gloo worker threads at finalization, pytorch/pytorch PR #179291);
+        # not reproduced in 20 runs here. The script is the user's; one retry, a second abort fails.
+        code, out = run()
     assert code == 0, out
     assert re.search(r"^ddp-launch: sync: local0: local node, runs in .*/proj$", out, re.M), out
     finals = re.findall(r"^\[local(\d) r\d\] seed-script: rank=\d world=2 params_sha256=(\w+)$", out, re.M)

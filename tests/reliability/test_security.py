@@ -217,9 +217,9 @@ def test_hostile_values_reach_the_trainer_on_testbed_hosts_verbatim(testbed: Tes
     files = sorted(p for p in logs.rglob("*") if p.is_file())
     assert all(p.parent == logs for p in files), files  # the hostile host name stayed inside logs/<job>/
     assert [p.name for p in (tmp_path / "logs").iterdir()] == [job]
-    everything = out + "".join(p.read_text() for p in files)
+    everything = out.encode() + b"".join(p.read_bytes() for p in files)  # metrics.png is binary
     for name, secret in SECRETS.items():
-        assert secret not in everything, name
+        assert secret.encode() not in everything, name
         assert f"leak {name} ***" in out
         assert f'"{name}": "***"' in (logs / "launcher.log").read_text()  # the env shown: JSON, masked
     assert_nothing_left(tb, job)
