@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, median, ratio_line
+from common import REPO, changed_total, median, ratio_line
 from testbed_hosts import testbed
 
 ANSIBLE_PLAYBOOK = str(Path(sys.executable).parent / "ansible-playbook")
@@ -57,10 +56,6 @@ def playbook(tb, cfg: str | None, playbook: str, tmp: Path) -> tuple[float, str]
     if res.returncode != 0:
         sys.exit(f"bench: {playbook} failed ({res.returncode}):\n{res.stdout[-3000:]}{res.stderr[-2000:]}")
     return wall, res.stdout
-
-
-def changed_total(recap: str) -> int:
-    return sum(int(n) for n in re.findall(r"changed=(\d+)", recap.split("PLAY RECAP")[-1]))
 
 
 def main() -> None:

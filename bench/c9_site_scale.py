@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, ratio_line
+from common import REPO, changed_total, ratio_line
 from testbed_hosts import testbed
 
 ANSIBLE_PLAYBOOK = str(Path(sys.executable).parent / "ansible-playbook")
@@ -46,10 +45,6 @@ def playbook(tb, playbook: str, facts: Path) -> tuple[float, str]:
     if res.returncode != 0:
         sys.exit(f"bench: {playbook} failed ({res.returncode}):\n{res.stdout[-3000:]}{res.stderr[-2000:]}")
     return wall, res.stdout
-
-
-def changed_total(out: str) -> int:
-    return sum(int(n) for n in re.findall(r"changed=(\d+)", out.split("PLAY RECAP")[-1]))
 
 
 def main() -> None:

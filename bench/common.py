@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -31,6 +32,11 @@ def torchrun(args: list[str], cwd: Path, nproc: int = 2, timeout: float = 240) -
 def result_lines(output: str, tag: str) -> list[dict]:
     """Parse lines `TAG {json}` printed by a bench worker."""
     return [json.loads(line.split(" ", 1)[1]) for line in output.splitlines() if line.startswith(tag + " ")]
+
+
+def changed_total(ansible_output: str) -> int:
+    """The sum of changed= over the hosts of ansible-playbook's last PLAY RECAP (0: idempotent)."""
+    return sum(int(n) for n in re.findall(r"changed=(\d+)", ansible_output.split("PLAY RECAP")[-1]))
 
 
 def median(values: list[float]) -> float:
