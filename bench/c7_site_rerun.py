@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from common import REPO, changed_total, median, ratio_line
+from common import REPO, changed_total, median, ratio_line, timed_playbook
 from testbed_hosts import testbed
 
 ANSIBLE_PLAYBOOK = str(Path(sys.executable).parent / "ansible-playbook")
@@ -50,12 +48,7 @@ def playbook(tb, cfg: str | None, playbook: str, tmp: Path) -> tuple[float, str]
         "-e",
         "molecule_wheelhouse=/tmp/ddp-wheelhouse-bench",
     ]
-    t0 = time.perf_counter()
-    res = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
-    wall = time.perf_counter() - t0
-    if res.returncode != 0:
-        sys.exit(f"bench: {playbook} failed ({res.returncode}):\n{res.stdout[-3000:]}{res.stderr[-2000:]}")
-    return wall, res.stdout
+    return timed_playbook(playbook, argv, env, 1200)
 
 
 def main() -> None:

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from common import REPO, changed_total, ratio_line
+from common import REPO, changed_total, ratio_line, timed_playbook
 from testbed_hosts import testbed
 
 ANSIBLE_PLAYBOOK = str(Path(sys.executable).parent / "ansible-playbook")
@@ -39,12 +37,7 @@ def playbook(tb, playbook: str, facts: Path) -> tuple[float, str]:
     )
     argv = [ANSIBLE_PLAYBOOK, "-i", str(tb.inventory), "-i", str(SCENARIO_INV), playbook]
     argv += ["-e", f"molecule_wheelhouse={WHEELHOUSE}"]
-    t0 = time.perf_counter()
-    res = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
-    wall = time.perf_counter() - t0
-    if res.returncode != 0:
-        sys.exit(f"bench: {playbook} failed ({res.returncode}):\n{res.stdout[-3000:]}{res.stderr[-2000:]}")
-    return wall, res.stdout
+    return timed_playbook(playbook, argv, env, 1800)
 
 
 def main() -> None:

@@ -39,6 +39,16 @@ def changed_total(ansible_output: str) -> int:
     return sum(int(n) for n in re.findall(r"changed=(\d+)", ansible_output.split("PLAY RECAP")[-1]))
 
 
+def timed_playbook(playbook: str, argv: list[str], env: dict[str, str], timeout: float) -> tuple[float, str]:
+    """Run ansible-playbook from the repo root: (wall seconds, stdout); exits the bench if it failed."""
+    t0 = time.perf_counter()
+    res = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - t0
+    if res.returncode != 0:
+        sys.exit(f"bench: {playbook} failed ({res.returncode}):\n{res.stdout[-3000:]}{res.stderr[-2000:]}")
+    return wall, res.stdout
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 
