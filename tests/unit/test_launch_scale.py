@@ -127,11 +127,15 @@ def test_connector_does_not_retry_a_connection_that_was_answered() -> None:
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(8)
-    port, seen = srv.getsockname()[1], []
+    srv.settimeout(0.1)  # the server polls `done`: a second connection is never expected to come
+    port, seen, done = srv.getsockname()[1], [], threading.Event()
 
     def serve() -> None:
-        for _ in range(2):
-            c, _ = srv.accept()
+        while not done.is_set():
+            try:
+                c, _ = srv.accept()
+            except TimeoutError:
+                continue
             seen.append(1)
             if len(seen) == 1:
                 c.close()  # first attempt: closed without the token (as a half-dead listener would)
@@ -142,6 +146,8 @@ def test_connector_does_not_retry_a_connection_that_was_answered() -> None:
     t = threading.Thread(target=serve, daemon=True)
     t.start()
     out = _connector([["k", "127.0.0.1", port]])
+    done.set()
+    t.join(5)
     srv.close()
     # a connection closed without the token is "answered by another program", which is not retried
     assert out["k"].startswith("answered by another program")
