@@ -152,7 +152,8 @@ def test_seed_script_runs_synced_on_three_hosts_and_a_second_launch_sends_nothin
             "train.py",
         ]  # outputs/ and *.ckpt are left out by .gitignore
     assert "seed-script: rank=1 world=3" in (root / "logs" / "sy-1" / "node1.log").read_text()
-    assert_nothing_left(testbed, "sy-1")
+    for again in ("", "-port", "-again"):  # each launch_user_script may have made
+        assert_nothing_left(testbed, f"sy-1{again}")
 
     code, out = launch_user_script(job("sy-2"), root, 3)
     assert code == 0, out
@@ -295,7 +296,8 @@ def test_seed_style_script_is_refused_by_strict_and_runs_once_fixed_as_the_check
     assert sorted((h, rank, w) for h, _, rank, w, _ in finals) == [("node0", "0", "3"), ("node1", "1", "3"),
                                                                    ("node2", "2", "3")], out  # fmt: skip
     assert len({sha for *_, sha in finals}) == 1
-    assert_nothing_left(testbed, "sy-seedfix")
+    for again in ("", "-port", "-again"):
+        assert_nothing_left(testbed, f"sy-seedfix{again}")
 
     proj = tmp_path / "proj"
     proj.mkdir()
