@@ -80,7 +80,17 @@ def test_detach_status_attach_stop_resume_and_a_killed_monitor(tmp_path: Path) -
         assert re.search(rf"^{job}\s+running\s+2\s+\d+/80 ", listed.stdout, re.M), listed.stdout
         status = launch(["status", job], tmp_path)
         assert status.returncode == 0 and f"job {job}: running" in status.stdout, status.stdout
-        assert re.search(r"^local0\s+0\s+\d+/80\s+\d+\.\d{4}\s+\d+\s+\S+\s+\S+ ago$", status.stdout, re.M)
+        eta = r"\d+(s|m\d\ds|h\d\dm|d\d\dh)"  # progress.duration(); never "-" once a step is known
+        assert re.search(
+            rf"^local0\s+0\s+\d+/80\s+\d+\.\d{{4}}\s+\d+\s+{eta}\s+\S+ ago$", status.stdout, re.M
+        )
+
+        every = launch(["logs", job], tmp_path)  # the detached monitor's console: every node, prefixed
+        assert every.returncode == 0 and re.search(r"^\[local0 r0\] .*INFO step \d+/80", every.stdout, re.M)
+        one = launch(["logs", job, "--node", "local0"], tmp_path)  # one node's own log, as written
+        assert one.returncode == 0 and re.search(r"INFO step \d+/80", one.stdout), one.stdout
+        assert (tmp_path / "logs" / job / "local0.log").read_text().startswith(one.stdout)
+        assert one.stdout != every.stdout[: len(one.stdout)]  # not the console's prefixed lines
 
         other = launch([*base, "--set", "train.max_steps=2", "--job-id", job_id("two")], tmp_path, timeout=60)
         assert other.returncode == 3, other.stdout
@@ -111,6 +121,11 @@ def test_detach_status_attach_stop_resume_and_a_killed_monitor(tmp_path: Path) -
         ckpts = tmp_path / "runs" / "default" / "checkpoints"
         assert checkpoint.list_checkpoints(ckpts)[-1][0] == step
         assert "finished (exit 143)" in launch(["jobs"], tmp_path).stdout
+        followed = launch(["logs", job, "-f"], tmp_path, timeout=30)  # ended: prints, exits with its code
+        assert followed.returncode == 143 and f"job {job} stopped (received SIGTERM)" in followed.stdout
+        metrics = (tmp_path / "logs" / job / "metrics.jsonl").read_text().splitlines()  # rank 0's, at the end
+        assert metrics and all(json.loads(line).get("step") for line in metrics), metrics[:3]
+        assert (tmp_path / "logs" / job / "metrics.png").read_bytes().startswith(b"\x89PNG")
     finally:
         cleanup(tmp_path, job)
 
