@@ -238,6 +238,24 @@ def test_tensorboard_events_only_when_asked(tmp_path: Path) -> None:
     assert (tmp_path / "m.jsonl").read_text().count('"step": 3') == 1
 
 
+def test_without_tensorboard_asked_nothing_of_it_is_imported(tmp_path: Path) -> None:
+    """A fresh interpreter: the trainer module and a default run's metrics writer import no TensorBoard."""
+    code = (
+        "import sys\n"
+        "import ddp_train.trainer\n"
+        "from ddp_train import tbwriter\n"
+        "from ddp_train.config import load_config\n"
+        "from ddp_train.metrics import JsonlWriter\n"
+        f"cfg = load_config(None, ['run.dir={tmp_path}'])\n"
+        f"tbwriter.tee(JsonlWriter(cfg.run_dir / 'm.jsonl'), cfg, True).close()\n"
+        "print(sorted(m for m in sys.modules if 'tensorboard' in m))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 def test_on_a_tty_one_live_status_line_stays_under_the_scrolling_lines(tmp_path: Path) -> None:
     import io
 
