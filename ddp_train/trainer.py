@@ -188,6 +188,7 @@ class Trainer:
         if env.distributed:
             ids = [device.index] if device.type == "cuda" else None
             self.ddp = DDP(net, device_ids=ids, gradient_as_bucket_view=True)
+        self.ddp.train()  # once: evaluate() puts the mode back (a train() per step walked every module)
         self.flops_per_token = flops_per_token(self.model)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
         # the peak of the precision the matmuls run at (fp32 runs as TF32: allow_tf32 above)
@@ -307,7 +308,6 @@ class Trainer:
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """One optimizer step over grad_accum_steps micro-batches; (local loss, grad norm, tokens)."""
         t = self.cfg.train
-        self.ddp.train()
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
         for micro in range(t.grad_accum_steps):

@@ -260,3 +260,18 @@ def test_stop_flags_decode_to_one_signal_for_every_rank():
     stop.signum = signal.SIGINT
     assert stop.flags() == [0.0, 1.0]
     assert StopRequest.decode(3, 1) == signal.SIGINT  # SIGINT on one, SIGTERM on three: SIGINT wins
+
+
+def test_every_training_step_after_a_validation_runs_in_train_mode(tmp_path):
+    """The train mode is set once; validation puts it back (dropout would stay off otherwise)."""
+    from ddp_train import distributed
+    from ddp_train.trainer import Trainer
+
+    sets = ["model.name=gpt", "model.gpt.dropout=0.2", "train.max_steps=4", "eval.interval_steps=1"]
+    cfg = load_config(None, [f"run.dir={tmp_path / 'runs'}", *sets, "checkpoint.interval_steps=0"])
+    trainer = Trainer(cfg, distributed.read_env(), torch.device("cpu"))
+    seen = []
+    trainer.model.register_forward_pre_hook(lambda m, _: seen.append((torch.is_grad_enabled(), m.training)))
+    assert trainer.fit() == 0
+    assert sorted(set(seen)) == [(False, False), (True, True)], seen  # eval forwards: no grad, eval mode
+    assert seen.count((True, True)) == 4
