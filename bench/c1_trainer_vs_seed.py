@@ -1,6 +1,7 @@
 """C1: trainer throughput vs a seed-style plain DDP loop (bench/seed_loop.py), same run.
 
-Both run the same GPT on the same synthetic data and batch (no grad clipping on either side), 2 ranks,
+Both run the same GPT on the same synthetic data and batch (no grad clipping, validation or checkpoints
+on either side), 2 ranks,
 gloo, OMP_NUM_THREADS=1, under torchrun. Throughput = global samples/s per window of 10 steps, first
 window (warm-up) dropped, median
 over windows; the runs alternate (trainer, seed, trainer, seed, ...) so drift hits both alike.
@@ -38,6 +39,7 @@ def trainer_run(work: Path, steps: int, i: int) -> list[float]:
         "log.interval_steps=10",
         "checkpoint.interval_steps=0",
         "checkpoint.resume=never",
+        "eval.interval_steps=0",  # the seed loop neither validates nor saves: neither side does here
         f"run.name=c1-{i}",
         "log.progress=never",
     ]
