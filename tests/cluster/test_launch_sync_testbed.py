@@ -81,18 +81,19 @@ time.sleep(600)
 # group. Upstream: pytorch/pytorch PR #179291 (abandoned). The scripts are the user's, so the tests
 # retry such a launch once; a second abort, or any other failure, fails the test.
 GLOO_EXIT_ABORT = "terminate called without an active exception"
+AGAIN = ("", "-port", "-again")  # the suffixes launch_user_script gives make_args, in order
 
 
 def launch_user_script(make_args: Callable[[str], list[str]], cwd: Path, ranks: int) -> tuple[int, str]:
     """launch(make_args("")), again with make_args("-port") when another run took the port, and once
     more with make_args("-again") when it failed only by the abort above: each of `ranks` ranks printed
     its seed-script result line and a rank then aborted with GLOO_EXIT_ABORT (SIGABRT)."""
-    code, out = launch(make_args(""), cwd)
+    code, out = launch(make_args(AGAIN[0]), cwd)
     if code != 0 and "address already in use" in out.lower():  # another run on this machine took the port
-        code, out = launch(make_args("-port"), cwd)
+        code, out = launch(make_args(AGAIN[1]), cwd)
     done = len(re.findall(r"^\[\S+ r\d+\] seed-script: rank=\d+ ", out, re.M))
     if code != 0 and GLOO_EXIT_ABORT in out and "SIGABRT" in out and done == ranks:
-        code, out = launch(make_args("-again"), cwd)
+        code, out = launch(make_args(AGAIN[2]), cwd)
     return code, out
 
 
@@ -152,7 +153,7 @@ def test_seed_script_runs_synced_on_three_hosts_and_a_second_launch_sends_nothin
             "train.py",
         ]  # outputs/ and *.ckpt are left out by .gitignore
     assert "seed-script: rank=1 world=3" in (root / "logs" / "sy-1" / "node1.log").read_text()
-    for again in ("", "-port", "-again"):  # each launch_user_script may have made
+    for again in AGAIN:  # every job id launch_user_script may have started
         assert_nothing_left(testbed, f"sy-1{again}")
 
     code, out = launch_user_script(job("sy-2"), root, 3)
@@ -296,7 +297,7 @@ def test_seed_style_script_is_refused_by_strict_and_runs_once_fixed_as_the_check
     assert sorted((h, rank, w) for h, _, rank, w, _ in finals) == [("node0", "0", "3"), ("node1", "1", "3"),
                                                                    ("node2", "2", "3")], out  # fmt: skip
     assert len({sha for *_, sha in finals}) == 1
-    for again in ("", "-port", "-again"):
+    for again in AGAIN:
         assert_nothing_left(testbed, f"sy-seedfix{again}")
 
     proj = tmp_path / "proj"
