@@ -16,6 +16,7 @@ runs on the same nodes and port); 4 the stall watchdog stopped the job; 124 --ti
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -51,6 +52,7 @@ exit codes: 0 ok; 1 a node failed, could not start or was lost; 2 bad input; 3 p
   and save a checkpoint (run the same command again to resume); a second Ctrl-C kills at once."""
 EXIT_USAGE, EXIT_PREFLIGHT = 2, 3
 JOB_COMMANDS = ("jobs", "status", "logs", "attach", "stop")  # launch/jobcmds.py
+MONITOR_ARGS = "--monitor-args-file"  # what --detach starts: `cli --monitor-args-file FILE`
 
 
 class _Parser(argparse.ArgumentParser):
@@ -104,7 +106,23 @@ def _parser(doctor: bool) -> argparse.ArgumentParser:
     job.add_argument(
         "--master-port", type=int, metavar="PORT", help="MASTER_PORT [ddp_master_port, else 29500]"
     )
-    job.add_argument("--env", action="append", default=[], metavar="K=V", help="extra env var for every node")
+    job.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="extra env var for every node (sent on stdin, never in a command line)",
+    )
+    job.add_argument(
+        "--secret-env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="mark NAME secret: its value is masked wherever ddp-launch shows or records it; without "
+        "--env/ddp_env NAME its value is this shell's $NAME (so it is in no command line here either). "
+        "Names with TOKEN/KEY/SECRET/PASSWORD/PASSWD/CREDENTIAL/AUTH... and user:pass@ URLs are masked "
+        "anyway",
+    )
     job.add_argument(
         "--debug",
         action="store_true",
@@ -228,6 +246,11 @@ def _parser(doctor: bool) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of ddp-launch."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == [MONITOR_ARGS]:  # a detached monitor: its arguments come in a 0600 file, not argv
+        from ddp_train.launch.jobcmds import read_monitor_args
+
+        args = read_monitor_args(args[1])
+    shown = list(args)
     if args and args[0] == "check-script":
         return _check_script_command(args[1:])
     if args and args[0] in JOB_COMMANDS:
@@ -243,6 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cut = args.index("--")
         args, tail = args[:cut], args[cut + 1 :]
     opts = _parser(doctor).parse_args(args)
+    opts.argv = shown
     if getattr(opts, "script", None) and tail is not None:  # after a script, `--` is the script's argument
         opts.script_args += ["--", *tail]
     elif tail is not None:
@@ -251,10 +275,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _usage("doctor takes no trainer arguments after --")
     if not doctor and opts.detach and not opts.dry_run and not opts.monitor:
         from ddp_train.launch.jobcmds import detach, without_detach
-        from ddp_train.launch.plan import new_job_id
+        from ddp_train.launch.plan import check_job_id, new_job_id
 
         rest = without_detach(args) + ([] if tail is None else ["--", *tail])
-        return detach(rest, opts.job_id or new_job_id(), opts.log_dir)
+        try:
+            job_id = check_job_id(opts.job_id or new_job_id())
+        except LaunchError as e:
+            return _usage(str(e))
+        return detach(rest, job_id, opts.log_dir)
     try:
         plan = _plan(opts, trainer_args, doctor)
         if doctor or not opts.dry_run:
@@ -300,6 +328,16 @@ def _plan(opts: argparse.Namespace, trainer_args: list[str], doctor: bool) -> Jo
         if not sep or not ENV_NAME.match(key):
             raise LaunchError(f"--env {item!r}: expected NAME=VALUE")
         env[key] = value
+    secret_env = set()
+    for name in opts.secret_env:
+        if not ENV_NAME.match(name):
+            raise LaunchError(
+                f"--secret-env {name.partition('=')[0]!r}: expected a variable NAME (no =VALUE: a value on "
+                "this command line would be in ps; export it instead)"
+            )
+        secret_env.add(name)
+        if name not in env and name in os.environ:
+            env[name] = os.environ[name]
     if opts.master_port is not None and not 1 <= opts.master_port <= 65535:
         raise LaunchError(f"--master-port {opts.master_port}: not a TCP port (1-65535)")
     if opts.nproc_per_node is not None and not (
@@ -346,6 +384,7 @@ def _plan(opts: argparse.Namespace, trainer_args: list[str], doctor: bool) -> Jo
         overrides=() if doctor else tuple(opts.overrides),
         trainer_args=tuple(trainer_args),
         env=env,
+        secret_env=frozenset(secret_env),
         debug=opts.debug,
         rdzv=None if doctor else opts.rdzv,
         grace=None if doctor else opts.grace,
@@ -537,6 +576,7 @@ def _launch(plan: JobPlan, opts: argparse.Namespace) -> int:
     """Run the job in this process (foreground, or as the detached monitor), its state in job.json."""
     from ddp_train.launch import jobstate
     from ddp_train.launch.logs import JobLog
+    from ddp_train.launch.plan import mask_argv
 
     if opts.monitor:  # the detached monitor: no terminal, so no SIGHUP; and it ignores one besides
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -547,7 +587,8 @@ def _launch(plan: JobPlan, opts: argparse.Namespace) -> int:
         log.note(f"preflight failed: {busy}; nothing was started")
         log.close()
         return EXIT_PREFLIGHT
-    jobstate.write_state(state, jobstate.initial_state(plan, sys.argv[1:], detached=opts.monitor))
+    argv = mask_argv(opts.argv, plan.secrets())  # job.json keeps no secret of the command line
+    jobstate.write_state(state, jobstate.initial_state(plan, argv, detached=opts.monitor))
     code = 1
     try:
         code = _launch_job(plan, opts, log, state)
@@ -622,7 +663,7 @@ def _launch_job(plan: JobPlan, opts: argparse.Namespace, log: JobLog, state: Pat
                 for s in sessions.values():
                     s.close()
                 return 1
-            (log.dir / Path(plan.config).name).write_bytes(Path(plan.config).read_bytes())
+            jobstate.write_private(log.dir / Path(plan.config).name, Path(plan.config).read_bytes())
         job = Job(
             plan,
             log,

@@ -71,6 +71,7 @@ class Node:
     nproc: str
     master_port: int
     env: Mapping[str, str]
+    secret_env: tuple[str, ...] = ()  # ddp_secret_env: names whose values are masked wherever shown
     master: str | None = None  # ddp_master
     master_addr: str | None = None  # ddp_master_addr
     network_cidr: str | None = None
@@ -330,6 +331,7 @@ def _node(loader: Any, variables: Any, host: Any, extra: Mapping[str, Any], wher
         nproc=_nproc(v),
         master_port=v.port("ddp_master_port", default=DEFAULT_MASTER_PORT),
         env=_env(v),
+        secret_env=_secret_env(v),
         master=v.text("ddp_master"),
         master_addr=v.text("ddp_master_addr"),
         network_cidr=v.text("ddp_network_cidr"),
@@ -398,6 +400,15 @@ def _nproc(v: _Vars) -> str:
             "ddp_nproc_per_node", f"{short(value)} is not a positive integer or one of {NPROC_WORDS}"
         )
     return str(n)
+
+
+def _secret_env(v: _Vars) -> tuple[str, ...]:
+    value = v.get("ddp_secret_env", default=[])
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(x, str) and ENV_NAME.match(x) for x in value):
+        raise v.error("ddp_secret_env", f"expected a list of environment variable names, got {short(value)}")
+    return tuple(value)
 
 
 def _env(v: _Vars) -> dict[str, str]:

@@ -12,6 +12,8 @@ foreground Ctrl-C/SIGTERM (every rank finishes its step, rank 0 saves).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -23,6 +25,7 @@ from typing import IO, Any
 
 from ddp_train.launch import jobstate
 from ddp_train.launch.logs import host_log_path, table
+from ddp_train.launch.plan import JOB_ID
 from ddp_train.launch.progress import duration, read_host_log
 
 COMMANDS = ("jobs", "status", "logs", "attach", "stop")
@@ -50,6 +53,10 @@ def main(command: str, argv: Sequence[str]) -> int:
     opts = p.parse_args(list(argv))
     if command == "jobs":
         return _jobs(Path(opts.log_dir))
+    if not JOB_ID.match(opts.job):  # it names a directory under --log-dir: no path may come through
+        print(f"ddp-launch: error: job {opts.job!r}: not a job id (letters, digits, '.', '_', '-')",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_USAGE
     data = jobstate.read_state(jobstate.state_path(opts.log_dir, opts.job))
     if data is None:
         known = ", ".join(j["job_id"] for j in jobstate.list_jobs(opts.log_dir)[-5:]) or "none"
@@ -86,18 +93,39 @@ def without_detach(args: list[str]) -> list[str]:
     return list(args)
 
 
+MONITOR_ARGS_FILE = "monitor-args.json"  # the monitor's arguments (0600; it deletes the file once read)
+
+
+def read_monitor_args(path: str) -> list[str]:
+    """The arguments `detach` left for the monitor (and the file gone: it may hold secrets)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            args = json.load(f)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise SystemExit(f"ddp-launch: error: {path}: not a list of arguments")
+    return args
+
+
 def detach(run_args: list[str], job_id: str, log_dir: str) -> int:
-    """Start the monitor in the background, show its output until the job runs, return."""
-    job_dir = Path(log_dir) / job_id
-    job_dir.mkdir(parents=True, exist_ok=True)
+    """Start the monitor in the background, show its output until the job runs, return.
+
+    The monitor's arguments (which may carry --env values) go in a 0600 file of the job's 0700 directory,
+    not on its command line, where `ps` would show them for the whole job."""
+    job_dir = jobstate.private_dir(Path(log_dir) / job_id)
     console_path = job_dir / jobstate.CONSOLE_FILE
     state_path = job_dir / jobstate.STATE_FILE
     if state_path.exists():
         state_path.unlink()  # a previous run of this job id: its state is not this one's
-    with open(console_path, "ab") as console:
-        start = console.tell()
+    args_path = job_dir / MONITOR_ARGS_FILE
+    monitor_args = ["run", "--monitor", "--job-id", job_id, *run_args]
+    jobstate.write_private(args_path, json.dumps(monitor_args).encode())
+    with open(jobstate.open_private(console_path), "ab") as console:
+        start = console.seek(0, os.SEEK_END)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ddp_train.launch.cli", "run", "--monitor", "--job-id", job_id, *run_args],
+            [sys.executable, "-m", "ddp_train.launch.cli", "--monitor-args-file", str(args_path.resolve())],
             stdin=subprocess.DEVNULL,
             stdout=console,
             stderr=subprocess.STDOUT,

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 STATE_FILE = "job.json"
+PRIVATE_FILE, PRIVATE_DIR = 0o600, 0o700  # a job's directory and files: its owner's only (issue #24)
 CONSOLE_FILE = "console.log"  # a detached monitor's stdout and stderr: what a foreground run prints
 LIVE = ("starting", "running", "stopping")
 
@@ -25,12 +27,36 @@ def state_path(log_dir: Path | str, job_id: str) -> Path:
     return Path(log_dir) / job_id / STATE_FILE
 
 
-def write_state(path: Path, data: dict[str, Any]) -> None:
-    """Atomically (temp file + rename): a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+def private_dir(path: Path | str) -> Path:
+    """Create a job's directory (and its parents) if needed, readable by its owner only."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, PRIVATE_DIR)
+    return path
+
+
+def open_private(path: Path | str, append: bool = True) -> int:
+    """A file descriptor on `path` for writing, mode 0600, never through a symlink."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_APPEND if append else os.O_TRUNC)
+    fd = os.open(path, flags, PRIVATE_FILE)
+    os.fchmod(fd, PRIVATE_FILE)  # an older file of the same name may have had a wider mode
+    return fd
+
+
+def write_private(path: Path | str, data: bytes) -> None:
+    """Atomically (temp file + rename) write a 0600 file: a reader never sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
     tmp.replace(path)
+
+
+def write_state(path: Path, data: dict[str, Any]) -> None:
+    """Atomically (temp file + rename): a reader never sees half a file; 0600 in a 0700 directory."""
+    private_dir(path.parent)
+    write_private(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())
 
 
 def update_state(path: Path, **fields: Any) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Job logs: every node line live on the console as `[host r<i>] line`, and in logs/<job>/<host>.log.
 
-The launcher's own messages go to the console and logs/<job>/launcher.log. Secret values (env vars
-named like TOKEN/KEY/SECRET/PASSWORD) are masked everywhere.
+The launcher's own messages go to the console and logs/<job>/launcher.log. Secret values (plan.is_secret:
+named like TOKEN/KEY/SECRET/PASSWORD/..., user:pass@ URLs, or marked) are masked everywhere; the job's
+directory is 0700 and its files 0600 (node output may hold what it should not).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from ddp_train.launch.jobstate import open_private, private_dir, write_private
 from ddp_train.launch.plan import mask_text
 
 # Lines that tell why a node failed, best first: a signal that killed a worker (torchrun's root cause),
@@ -57,15 +59,14 @@ class JobLog:
         console: IO[str] | None = None,
         quiet: bool = False,
     ) -> None:
-        self.dir = Path(log_dir) / job_id
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = private_dir(Path(log_dir) / job_id)  # 0700: node output may hold what it should not
         self.secrets = list(secrets)
         self.console = console or sys.stdout
         self.quiet = quiet
         self._lock = threading.Lock()
         self._files: dict[str, IO[str]] = {}
         self._tail: dict[str, list[str]] = {}
-        self._launcher = open(self.dir / "launcher.log", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._launcher = _append(self.dir / "launcher.log")
         self.live = ""  # the one live status line kept under the scrolling output on a TTY (set_live)
         try:
             self.tty = self.console.isatty()
@@ -100,7 +101,7 @@ class JobLog:
         with self._lock:
             f = self._files.get(host)
             if f is None:
-                f = self._files[host] = open(self.path(host), "a", encoding="utf-8")  # noqa: SIM115
+                f = self._files[host] = _append(self.path(host))
             f.write(f"{_stamp()} {shown}\n")
             f.flush()
             tail = self._tail.setdefault(host, [])
@@ -133,9 +134,8 @@ class JobLog:
 
     def write_json(self, name: str, data: Any) -> Path:
         path = self.dir / name
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(mask_text(json.dumps(data, indent=2, sort_keys=True), self.secrets) + "\n")
-        tmp.replace(path)
+        text = mask_text(json.dumps(data, indent=2, sort_keys=True), self.secrets) + "\n"
+        write_private(path, text.encode())
         return path
 
     def close(self) -> None:
@@ -148,13 +148,21 @@ class JobLog:
             self._launcher.close()
 
 
-def host_log_path(job_dir: Path, host: str) -> Path:
-    """logs/<job>/<host>.log; a host name that is no plain file name gets a safe unique one."""
+def _append(path: Path) -> IO[str]:
+    return open(open_private(path), "a", encoding="utf-8")  # noqa: SIM115 - closed in JobLog.close
+
+
+def safe_name(host: str, reserved: Sequence[str] = ()) -> str:
+    """A host name as a plain file name: itself when safe, else a sanitised one with a short hash."""
     name = _UNSAFE.sub("_", host)
-    reserved = ("launcher", "console")
     if name != host or name.startswith(".") or name in reserved:  # never outside the dir, no clash
         name = f"{name.lstrip('.') or 'host'}-{hashlib.sha256(host.encode()).hexdigest()[:8]}"
-    return Path(job_dir) / f"{name}.log"
+    return name
+
+
+def host_log_path(job_dir: Path, host: str) -> Path:
+    """logs/<job>/<host>.log; a host name that is no plain file name gets a safe unique one."""
+    return Path(job_dir) / f"{safe_name(host, ('launcher', 'console'))}.log"
 
 
 def _stamp() -> str:

@@ -27,7 +27,12 @@ from ddp_train.launch.scriptcheck import ScriptCheck
 from ddp_train.launch.sync import Manifest, remote_dir
 
 PGID_MARKER = "DDP-LAUNCH-PGID"
-SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
+# A value is secret when its name looks like one, when it holds a URL with a password (user:pass@host),
+# or when the inventory (ddp_secret_env) or the command line (--secret-env) marks it so.
+SECRET_NAME = re.compile(
+    r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|PASSPHRASE|PWD|CREDENTIAL|AUTH|COOKIE|PRIVATE|SIGNATURE", re.IGNORECASE
+)
+URL_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/@\s:]*:[^/@\s]+@")
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MASK = "***"
 DEBUG_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET", "TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
@@ -50,6 +55,7 @@ class Options:
     overrides: Sequence[str] = ()
     trainer_args: Sequence[str] = ()
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    secret_env: frozenset[str] = frozenset()  # --secret-env names: their values are masked wherever shown
     debug: bool = False
     rdzv: str | None = None  # static | c10d; None: c10d when restarts are allowed on several nodes
     grace: float | None = None  # --grace: seconds a stop waits before KILL (None: derived, capped)
@@ -73,6 +79,10 @@ class NodePlan:
     argv: tuple[str, ...]  # torchrun and its arguments
     config_path: str | None  # where --config lives on this node
     sync_dir: str | None = None  # the node's copy of --sync: the run starts there
+    secret_names: frozenset[str] = frozenset()  # marked secret (ddp_secret_env, --secret-env)
+
+    def secret(self, key: str) -> bool:
+        return is_secret(key, self.env.get(key, ""), self.secret_names)
 
     @property
     def label(self) -> str:
@@ -113,13 +123,25 @@ class JobPlan:
 
     def secrets(self) -> list[str]:
         """Values that must never be printed: env values whose name looks like a secret."""
-        found = {v for p in self.nodes for k, v in p.env.items() if SECRET_NAME.search(k) and v}
+        found = {v for p in self.nodes for k, v in p.env.items() if v and p.secret(k)}
         for p in self.nodes:
             for arg in p.argv:
                 key, sep, value = arg.partition("=")
-                if sep and value and SECRET_NAME.search(key):
+                if sep and value and is_secret(key, value):
                     found.add(value)
         return sorted(found, key=len, reverse=True)
+
+
+def is_secret(name: str, value: str = "", marked: frozenset[str] | set[str] = frozenset()) -> bool:
+    """A variable whose value must never be shown: marked, named like a secret, or a URL with a password."""
+    return name in marked or bool(SECRET_NAME.search(name)) or bool(URL_PASSWORD.search(value))
+
+
+def check_job_id(job_id: str, flag: str = "--job-id") -> str:
+    """The job id, if it is a plain name (it names logs/<job>/ and tags processes); LaunchError otherwise."""
+    if not JOB_ID.match(job_id):
+        raise LaunchError(f"{flag} {job_id!r}: use letters, digits, '.', '_' or '-' (max 64)")
+    return job_id
 
 
 def new_job_id() -> str:
@@ -131,9 +153,7 @@ def build_plan(nodes: Sequence[Node], options: Options) -> JobPlan:
     """Order the nodes (master first), pick MASTER_ADDR/PORT and build each node's command."""
     if not nodes:
         raise LaunchError("no nodes selected")
-    job_id = options.job_id or new_job_id()
-    if not JOB_ID.match(job_id):
-        raise LaunchError(f"--job-id {job_id!r}: use letters, digits, '.', '_' or '-' (max 64)")
+    job_id = check_job_id(options.job_id or new_job_id())
     master_name = same(nodes, "ddp_master", lambda n: n.master)
     ordered = list(nodes)
     if master_name is not None:
@@ -264,6 +284,7 @@ def _node_plan(
     if options.debug:
         env.update(DEBUG_ENV)
     env["DDP_JOB_ID"] = job_id
+    marked = frozenset(node.secret_env) | frozenset(options.secret_env)
     argv = [
         f"{node.venv.rstrip('/')}/bin/torchrun",
         "--nnodes",
@@ -277,7 +298,8 @@ def _node_plan(
         argv += ["--max-restarts", str(options.max_restarts)]
     if options.script:
         argv += [*(["-m"] if options.module else []), options.script, *options.script_args]
-        return NodePlan(node=node, rank=rank, env=env, argv=tuple(argv), config_path=None, sync_dir=sync_dir)
+        return NodePlan(node=node, rank=rank, env=env, argv=tuple(argv), config_path=None, sync_dir=sync_dir,
+                        secret_names=marked)  # fmt: skip
     argv += ["-m", "ddp_train"]
     config_path = None
     if options.config:
@@ -290,8 +312,9 @@ def _node_plan(
         argv += ["--set", item]
     argv += list(options.trainer_args)
     return NodePlan(
-        node=node, rank=rank, env=env, argv=tuple(argv), config_path=config_path, sync_dir=sync_dir
-    )
+        node=node, rank=rank, env=env, argv=tuple(argv), config_path=config_path, sync_dir=sync_dir,
+        secret_names=marked,
+    )  # fmt: skip
 
 
 def remote_config_path(node: Node, job_id: str, local_path: str) -> str:
@@ -329,13 +352,19 @@ def env_line(plan: NodePlan) -> bytes:
 
 def shown_env(plan: NodePlan) -> str:
     """The stdin environment for display (--dry-run, logs): the JSON line with secret values masked."""
-    env = {k: MASK if SECRET_NAME.search(k) else v for k, v in plan.env.items() if k not in ARGV_ENV}
+    env = {k: MASK if plan.secret(k) else v for k, v in plan.env.items() if k not in ARGV_ENV}
     return json.dumps(env, ensure_ascii=True)
 
 
 def _mask_override(arg: str) -> str:
-    key, sep, _ = arg.partition("=")
-    return f"{key}={MASK}" if sep and SECRET_NAME.search(key) else arg
+    key, sep, value = arg.partition("=")
+    return f"{key}={MASK}" if sep and is_secret(key, value) else arg
+
+
+def mask_argv(argv: Sequence[str], secret_values: Sequence[str]) -> list[str]:
+    """A command line as it may be recorded (job.json): NAME=VALUE words of secret NAMEs and every known
+    secret value masked (--env HF_TOKEN=..., -e ansible_password=..., -e '{"ddp_env": ...}')."""
+    return [mask_text(_mask_override(a), secret_values) for a in argv]
 
 
 def mask_text(text: str, secret_values: Sequence[str]) -> str:

@@ -317,13 +317,35 @@ def run_preflight(
 
 
 def probe_env(p: NodePlan) -> dict[str, str]:
-    """The job's env without its job id: probes must not look like job processes at teardown."""
-    return {k: v for k, v in p.env.items() if k != "DDP_JOB_ID"}
+    """The job's env for a probe: no job id (probes must not look like job processes at teardown) and no
+    secret (a probe needs none)."""
+    return {k: v for k, v in p.env.items() if k != "DDP_JOB_ID" and not p.secret(k)}
+
+
+# Reads the probe's environment as one JSON line from stdin (byte by byte: the rest of stdin stays for
+# the probe), then execs the probe with it, so no value is ever in a command line `ps` shows (issue #24).
+ENV_EXEC = r"""
+import json, os, sys
+line = b""
+while not line.endswith(b"\n"):
+    c = os.read(0, 1)
+    if not c:
+        break
+    line += c
+env = dict(os.environ)
+env.update(json.loads(line or b"{}"))
+os.execve(sys.executable, [sys.executable, "-c", *sys.argv[1:]], env)
+"""
 
 
 def python_command(p: NodePlan, script: str, *args: str) -> str:
-    env = [f"{k}={v}" for k, v in probe_env(p).items()]
-    return shlex.join(["exec", "env", *env, f"{p.node.venv.rstrip('/')}/bin/python", "-c", script, *args])
+    """The node's python running `script` with `args`; its environment goes on stdin (`probe_stdin`)."""
+    return shlex.join(["exec", f"{p.node.venv.rstrip('/')}/bin/python", "-c", ENV_EXEC, script, *args])
+
+
+def probe_stdin(p: NodePlan) -> bytes:
+    """The first line a `python_command` reads from its stdin: its environment as JSON."""
+    return (json.dumps(probe_env(p), ensure_ascii=True) + "\n").encode()
 
 
 def _probe(c: NodeCheck, connect_timeout: float) -> None:
@@ -338,7 +360,9 @@ def _probe(c: NodeCheck, connect_timeout: float) -> None:
         gpu_args = gpuhealth.probe_args(node.gpu_health, node.gpu_health_dcgm)
         netif_args = netif.probe_argv(node.network_cidr)
         code, out = c.session.exec(
-            python_command(c.plan, PROBE, node.venv, node.workdir or "", *gpu_args, *netif_args), timeout=120
+            python_command(c.plan, PROBE, node.venv, node.workdir or "", *gpu_args, *netif_args),
+            timeout=120,
+            stdin=probe_stdin(c.plan),
         )
     except RemoteError as e:
         c.fail(f"probe failed: {str(e).split(': ', 1)[-1]}")
@@ -522,6 +546,7 @@ def _check_network(plan: JobPlan, checks: list[NodeCheck], timeout: float) -> No
         cmd = python_command(c.plan, LISTENER, str(port if c is master else 0), token, life)
         try:
             stream = c.session.start(cmd, stdin=True)
+            stream.send(probe_stdin(c.plan))  # then stdin stays open: its EOF ends the listener
         except RemoteError as e:
             c.fail(f"cannot start the network probe: {e}")
             return None, {}
@@ -561,7 +586,9 @@ def _check_network(plan: JobPlan, checks: list[NodeCheck], timeout: float) -> No
                 return
             cmd = python_command(c.plan, CONNECTOR, json.dumps(targets[c.name]), token, str(timeout))
             try:
-                code, out = c.session.exec(cmd, timeout=timeout + 60)  # type: ignore[union-attr]
+                code, out = c.session.exec(  # type: ignore[union-attr]
+                    cmd, timeout=timeout + 60, stdin=probe_stdin(c.plan)
+                )
             except RemoteError as e:
                 c.fail(f"network probe failed: {str(e).split(': ', 1)[-1]}")
                 return

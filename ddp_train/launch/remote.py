@@ -66,9 +66,15 @@ class Session:
     def __init__(self, node: Node) -> None:
         self.node = node
 
-    def exec(self, command: str, timeout: float = 30) -> tuple[int, str]:
-        """Run a short command; (exit code, merged output). RemoteError if it cannot finish in time."""
-        stream = self.start(command)
+    def exec(self, command: str, timeout: float = 30, stdin: bytes | None = None) -> tuple[int, str]:
+        """Run a short command; (exit code, merged output). RemoteError if it cannot finish in time.
+        `stdin`: written to the command's stdin, then EOF (how values stay out of command lines)."""
+        stream = self.start(command, stdin=stdin is not None)
+        if stdin is not None:
+            try:
+                stream.send(stdin)
+            finally:
+                stream.close_stdin()
         result: queue.Queue[list[str]] = queue.Queue()
         reader = threading.Thread(target=lambda: result.put(list(stream.lines())), daemon=True)
         reader.start()

@@ -35,8 +35,8 @@ SLOW = ["--set", "train.max_steps=2000", "--set", "debug.step_delay_s=0.2"]  # m
 class Launcher:
     """`ddp-launch` in the background; its output is collected line by line as it arrives."""
 
-    def __init__(self, args: list[str], cwd: Path, home: Path | None = None) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    def __init__(self, args: list[str], cwd: Path, home: Path | None = None, env: dict | None = None) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
         if home is not None:
             env["HOME"] = str(home)
         self.proc = subprocess.Popen(

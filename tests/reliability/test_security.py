@@ -17,6 +17,7 @@ import contextlib
 import json
 import shlex
 import subprocess
+import threading
 import sys
 from pathlib import Path
 
@@ -313,3 +314,78 @@ def test_secret_values_are_in_no_command_line_on_the_node(tmp_path: Path) -> Non
     finally:
         stop(run, job)
     assert visible == [], visible
+
+
+# Issue #24: every kind of secret the launcher recognises, and one only marked so (ddp_secret_env).
+WIDE_SECRETS = {
+    "HF_TOKEN": "hf_Zq82-token-value",
+    "DB_PASSWD": "pw-Zq82-passwd",
+    "GIT_CREDENTIALS": "cred-Zq82-git",
+    "PROXY_AUTH": "auth-Zq82-proxy",
+    "MIRROR_URL": "https://bob:pw-Zq82-in-url@mirror.example/simple",
+    "PLAIN_NAME": "marked-Zq82-secret",  # named like nothing: ddp_secret_env marks it
+}
+
+
+class PsSampler:
+    """`ps -ww -eo args` (unlimited width) on every testbed host, round-robin, in a thread: what any local user sees."""
+
+    def __init__(self, tb: Testbed) -> None:
+        self.tb = tb
+        self.samples: list[tuple[str, str]] = []  # (host, ps output)
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.is_set():
+            for h in self.tb.hosts()[:3]:
+                res = self.tb.exec(h, "ps -ww -eo args", check=False, timeout=20)
+                self.samples.append((h.name, res.stdout))
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join(30)
+
+    def seen(self, text: str) -> int:
+        return sum(text in out for _, out in self.samples)
+
+
+@pytest.mark.testbed
+def test_no_secret_in_ps_on_any_node_during_preflight_or_training(testbed: Testbed, tmp_path: Path) -> None:
+    """Issue #24 item 1: preflight's probe, listener and connector ran `env K=V ... python -c` (every
+    ddp_env value in `ps` on every node while preflight ran); now their environment goes on stdin."""
+    tb = testbed
+    inv = named_inventory(
+        tb, tmp_path, {h.name: h.ip for h in tb.hosts()[:3]},
+        {"ddp_workdir": str(tmp_path), "ddp_venv": sys.prefix, "ddp_env": WIDE_SECRETS,
+         "ddp_secret_env": ["PLAIN_NAME"]},
+    )  # fmt: skip
+    job = job_id("sec-ps3")
+    sampler = PsSampler(tb)
+    run = Launcher(
+        ["--hosts", str(inv), "--job-id", job, "--set", "train.max_steps=40", "--set", "debug.step_delay_s=0.1",
+         "--set", "log.interval_steps=1", "--set", f"run.dir={tmp_path / 'runs'}",
+         "--secret-env", "CLI_ONLY"],
+        tmp_path, env={"CLI_ONLY": "cli-Zq82-marked"},
+    )  # fmt: skip
+    try:
+        code = run.wait(300)
+    finally:
+        sampler.stop()
+        run.stop()
+    assert code == 0, run.text
+    # the sampler saw both phases: preflight's probes (their script is argv) and the job's agents
+    assert sampler.seen("DDP-PROBE") and sampler.seen("DDP-CONNECT"), "no sample during preflight"
+    assert sampler.seen("ddp_train.agent"), "no sample during training"
+    hits = [(host, s) for s in [*WIDE_SECRETS.values(), "cli-Zq82-marked"] for host, out in sampler.samples
+            if s in out]  # fmt: skip
+    print(f"ps samples: {len(sampler.samples)} on {len({h for h, _ in sampler.samples})} hosts; "
+          f"preflight {sampler.seen('DDP-PROBE') + sampler.seen('DDP-CONNECT')}, "
+          f"training {sampler.seen('ddp_train.agent')}; secret hits {len(hits)}")  # fmt: skip
+    assert hits == []
+    # and the console and every file of the job mask them all
+    files = [p for p in (tmp_path / "logs" / job).rglob("*") if p.is_file()]
+    everything = run.text.encode() + b"".join(p.read_bytes() for p in files)
+    for s in [*WIDE_SECRETS.values(), "cli-Zq82-marked"]:
+        assert s.encode() not in everything, s
