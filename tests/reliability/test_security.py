@@ -17,8 +17,8 @@ import contextlib
 import json
 import shlex
 import subprocess
-import threading
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -328,7 +328,8 @@ WIDE_SECRETS = {
 
 
 class PsSampler:
-    """`ps -ww -eo args` (unlimited width) on every testbed host, round-robin, in a thread: what any local user sees."""
+    """`ps -ww -eo args` (unlimited width) on every testbed host, round-robin, in a thread: what any
+    local user sees."""
 
     def __init__(self, tb: Testbed) -> None:
         self.tb = tb
@@ -364,9 +365,9 @@ def test_no_secret_in_ps_on_any_node_during_preflight_or_training(testbed: Testb
     job = job_id("sec-ps3")
     sampler = PsSampler(tb)
     run = Launcher(
-        ["--hosts", str(inv), "--job-id", job, "--set", "train.max_steps=40", "--set", "debug.step_delay_s=0.1",
-         "--set", "log.interval_steps=1", "--set", f"run.dir={tmp_path / 'runs'}",
-         "--secret-env", "CLI_ONLY"],
+        ["--hosts", str(inv), "--job-id", job, "--set", "train.max_steps=40",
+         "--set", "debug.step_delay_s=0.1", "--set", "log.interval_steps=1",
+         "--set", f"run.dir={tmp_path / 'runs'}", "--secret-env", "CLI_ONLY"],
         tmp_path, env={"CLI_ONLY": "cli-Zq82-marked"},
     )  # fmt: skip
     try:

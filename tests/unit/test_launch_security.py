@@ -1,0 +1,157 @@
+"""Issue #24 on the controller: no secret in a recorded argv or a world-readable file, job ids checked at
+every entry, the widened secret rule, stale pids never signalled, teardown scoped to its own session."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ddp_train.launch import jobcmds, jobstate
+from ddp_train.launch.cli import main
+from tests.unit.test_launch_plan import fake_venv
+
+SECRET_ENV = {
+    "DB_PASSWD": "pw-Zq83-passwd",
+    "GIT_CREDENTIALS": "cred-Zq83-git",
+    "PROXY_AUTH": "auth-Zq83-proxy",
+    "MIRROR_URL": "https://bob:pw-Zq83-in-url@mirror.example/simple",
+    "PLAIN_NAME": "marked-Zq83-secret",  # named like nothing: ddp_secret_env marks it
+}
+
+
+def run_main(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def inventory(tmp_path: Path, **variables: object) -> Path:
+    inv = tmp_path / "inv.yml"
+    inv.write_text(yaml.safe_dump({"all": {"hosts": {"local0": None}, "vars": {
+        "ansible_connection": "local", "ansible_host": "127.0.0.1", "ddp_workdir": str(tmp_path),
+        "ddp_venv": str(fake_venv(tmp_path)), "ddp_master_port": 29977, **variables}}}))  # fmt: skip
+    return inv
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+# ---- item 3: the secret rule ----------------------------------------------------------------------
+
+
+def test_dry_run_masks_widened_names_url_passwords_and_marked_variables(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    inv = inventory(tmp_path, ddp_env=SECRET_ENV, ddp_secret_env=["PLAIN_NAME"])
+    monkeypatch.setenv("FROM_SHELL", "shell-Zq83-value")
+    code, out, err = run_main(
+        ["--hosts", str(inv), "--job-id", "sec-dry", "--secret-env", "FROM_SHELL", "--env", "VISIBLE=v1",
+         "--dry-run", "--", "--mirror=https://u:pw-Zq83-set@host/x"],
+        capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    for secret in [*SECRET_ENV.values(), "shell-Zq83-value", "pw-Zq83-set"]:
+        assert secret not in out + err, secret
+    line = next(ln for ln in out.splitlines() if ln.startswith("# environment"))
+    shown = json.loads(line.split(": ", 1)[1])
+    names = [*SECRET_ENV, "FROM_SHELL"]
+    assert {k: shown[k] for k in names} == dict.fromkeys(names, "***")
+    assert shown["VISIBLE"] == "v1"
+
+
+def test_secret_env_takes_a_name_never_a_value(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    argv = ["--hosts", str(inventory(tmp_path)), "--secret-env", "TOK=abc", "--dry-run"]
+    code, _, err = run_main(argv, capsys)
+    assert code == 2 and err.count("\n") == 1 and "--secret-env 'TOK'" in err and "abc" not in err
+
+
+def test_ddp_secret_env_must_be_a_list_of_names(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    code, _, err = run_main(["--hosts", str(inventory(tmp_path, ddp_secret_env=["1x"])), "--dry-run"], capsys)
+    assert code == 2 and "ddp_secret_env" in err and err.count("\n") == 1
+
+
+# ---- item 2: job.json, the job's files, the detached monitor's arguments -------------------------
+
+
+def test_job_json_keeps_no_secret_and_the_jobs_files_are_its_owners_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text("train:\n  max_steps: 3\n")
+    code, out, err = run_main(
+        ["--hosts", str(inventory(tmp_path)), "--job-id", "sec-files", "--skip-preflight",
+         "--config", str(cfg), "--env", "HF_TOKEN=hf_Zq83-argv", "-e", "ansible_password=pw-Zq83-extra",
+         "-e", json.dumps({"ddp_env": {"PLAIN_NAME": "marked-Zq83-json"}, "ddp_secret_env": ["PLAIN_NAME"]})],
+        capsys,
+    )  # fmt: skip
+    assert code == 0, out + err
+    job = tmp_path / "logs" / "sec-files"
+    text = (job / "job.json").read_text()
+    for secret in ("hf_Zq83-argv", "pw-Zq83-extra", "marked-Zq83-json"):
+        assert secret not in text, secret
+    assert "HF_TOKEN=***" in text and "ansible_password=***" in text
+    assert mode(job) == 0o700
+    files = [p for p in job.rglob("*") if p.is_file()]
+    assert {"job.json", "launcher.log", "local0.log", "train.yaml"} <= {p.name for p in files}
+    assert {p.name: mode(p) for p in files} == {p.name: 0o600 for p in files}
+
+
+def test_the_detached_monitor_gets_its_arguments_in_a_private_file_not_argv(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    started: list[list[str]] = []
+
+    class Monitor:
+        pid = 4243
+
+        def __init__(self, argv: list[str], **kw: object) -> None:
+            started.append(argv)
+            args_file = Path(argv[-1])
+            assert mode(args_file) == 0o600
+            self.args = jobcmds.read_monitor_args(str(args_file))
+            assert not args_file.exists()  # read once, then gone
+
+        def poll(self) -> int:
+            return 3
+
+    monkeypatch.setattr(jobcmds.subprocess, "Popen", Monitor)
+    args = ["--hosts", "x", "--env", "HF_TOKEN=hf_Zq83-monitor"]
+    assert jobcmds.detach(args, "sec-mon", str(tmp_path)) == 3
+    assert started and not any("hf_Zq83-monitor" in a for a in started[0]), started
+    assert started[0][-2] == "--monitor-args-file"
+    assert mode(tmp_path / "sec-mon") == 0o700 and mode(tmp_path / "sec-mon" / "console.log") == 0o600
+
+
+# ---- item 6: job ids --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["status", "logs", "attach", "stop"])
+def test_job_commands_refuse_a_job_id_that_is_a_path(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    outside = tmp_path / "x"
+    outside.mkdir()
+    jobstate.write_state(outside / "job.json", {"job_id": "x", "pid": os.getpid(), "state": "running"})
+    code, out, err = run_main([command, "--log-dir", str(tmp_path / "logs"), "../x"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "'../x': not a job id" in err, out + err
+
+
+def test_detach_refuses_a_job_id_that_is_a_path_before_writing_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "logs").mkdir()
+    code, out, err = run_main(["--hosts", "x,", "--detach", "--job-id", "../../escaped"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "--job-id '../../escaped'" in err, out + err
+    assert sorted(p.name for p in tmp_path.parent.iterdir() if p.name == "escaped") == []
+    assert list((tmp_path / "logs").iterdir()) == []
