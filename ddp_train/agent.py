@@ -19,8 +19,11 @@ that a stop ends as one line and an exit code instead of torchrun's traceback:
   the SSH connection closed) or no byte for DDP_LIFELINE_S seconds (the controller vanished without
   closing the TCP connection) means nobody supervises the job any more: the agent sends itself SIGTERM,
   the path of a normal stop (every rank finishes its step, rank 0 saves, exit 143). From then on the
-  node's output, which nobody reads, goes to a file under /tmp instead of a broken pipe
-  (`lifeline_log`), so no rank dies on EPIPE while saving.
+  node's output, which nobody reads, goes to agent.log in the agent's private directory instead of a
+  broken pipe (`lifeline_log`), so no rank dies on EPIPE while saving.
+- The private directory: `mkdtemp` under $TMPDIR (/tmp), 0700, a random name created by this agent (so
+  no other user can have created it first or put a symlink in it, issue #24); the ranks' stack dumps
+  (DDP_STACK_DIR, ddp_train/stackdump.py) and agent.log go there. It is removed at the end when empty.
 
 Only the standard library is imported before torchrun runs (torch comes with torchrun's script).
 """
@@ -40,6 +43,7 @@ import time
 
 ENV_LINE_LIMIT = 1 << 20  # one JSON object, the job's environment
 LIFELINE_ENV = "DDP_LIFELINE_S"  # seconds without a byte from the launcher before the node stops itself
+STACK_DIR_ENV = "DDP_STACK_DIR"  # where the ranks write their stack dumps (ddp_train/stackdump.py)
 
 
 class _Stopped(Exception):
@@ -77,8 +81,11 @@ def main(argv: list[str]) -> int:
         return 2
     except _Stopped as e:
         return _stopped_line(e.signum, started=False)
+    private = private_dir(env.get("DDP_JOB_ID", "job"))
+    if private:
+        env[STACK_DIR_ENV] = private  # the ranks' stack dumps, in a directory nobody else can touch
     os.environ.update(env)
-    lifeline = _Lifeline.start(env) if env.get(LIFELINE_ENV) else None
+    lifeline = _Lifeline.start(env, private) if env.get(LIFELINE_ENV) else None
     devnull = os.open(os.devnull, os.O_RDONLY)  # workers must not hold the launcher's stdin
     os.dup2(devnull, 0)
     os.close(devnull)
@@ -87,6 +94,9 @@ def main(argv: list[str]) -> int:
     finally:
         if lifeline is not None:
             lifeline.finish()
+        if private:
+            with contextlib.suppress(OSError):
+                os.rmdir(private)  # only when empty: an agent.log stays for whoever looks
 
 
 def _run_torchrun(argv: list[str]) -> int:
@@ -107,18 +117,36 @@ def _run_torchrun(argv: list[str]) -> int:
     return 0
 
 
-def lifeline_log(job_id: str) -> str:
+def private_dir(job_id: str) -> str | None:
+    """A new 0700 directory of this agent's own under $TMPDIR: ddp-agent-<job>-<random> (None if it
+    cannot be made). mkdtemp creates it with O_EXCL semantics and a random name: never one an attacker
+    prepared (https://docs.python.org/3/library/tempfile.html#tempfile.mkdtemp)."""
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in job_id)[:64] or "job"
+    try:
+        return tempfile.mkdtemp(prefix=f"ddp-agent-{safe}-")
+    except OSError:
+        return None
+
+
+def lifeline_log(directory: str | None) -> str:
     """Where a node's output goes once the launcher is gone."""
-    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in job_id) or "job"
-    return os.path.join(tempfile.gettempdir(), f"ddp-agent-{safe}-{os.getpid()}.log")
+    return os.path.join(directory, "agent.log") if directory else os.devnull
+
+
+def _open_log(directory: str | None) -> int:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(lifeline_log(directory), flags, 0o600)
+    except OSError:
+        return os.open(os.devnull, os.O_WRONLY)
 
 
 class _Lifeline:
     """Watches the launcher through stdin; relays the node's output so a dead reader breaks nothing."""
 
-    def __init__(self, timeout: float, job_id: str) -> None:
+    def __init__(self, timeout: float, directory: str | None) -> None:
         self.timeout = timeout
-        self.job_id = job_id
+        self.directory = directory
         self.stdin = os.dup(0)  # private (close-on-exec) copies: workers inherit neither
         self.out = os.dup(1)
         read, write = os.pipe()
@@ -133,7 +161,7 @@ class _Lifeline:
         self.watch = threading.Thread(target=self._watch, name="ddp-agent-lifeline", daemon=True)
 
     @classmethod
-    def start(cls, env: dict[str, str]) -> _Lifeline | None:
+    def start(cls, env: dict[str, str], directory: str | None) -> _Lifeline | None:
         try:
             timeout = float(env[LIFELINE_ENV])
         except ValueError:
@@ -142,7 +170,7 @@ class _Lifeline:
             return None
         sys.stdout.flush()
         sys.stderr.flush()
-        life = cls(timeout, os.environ.get("DDP_JOB_ID", "job"))
+        life = cls(timeout, directory)
         life.relay.start()
         life.watch.start()
         return life
@@ -165,13 +193,9 @@ class _Lifeline:
     def _lose(self, why: str) -> None:
         if self.done:
             return
-        path = lifeline_log(self.job_id)
         with self.lock:
             self.lost = why
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            except OSError:
-                fd = os.open(os.devnull, os.O_WRONLY)
+            fd = _open_log(self.directory)
             old, self.out = self.out, fd
         msg = f"ddp-agent: lost the launcher ({why}); stopping the job with SIGTERM (every rank saves)\n"
         for target in (old, fd):
@@ -192,8 +216,7 @@ class _Lifeline:
                     os.write(self.out, data)
                 except OSError:  # the reader is gone: keep the output on the node instead
                     try:
-                        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
-                        self.out = os.open(lifeline_log(self.job_id), flags, 0o600)
+                        self.out = _open_log(self.directory)
                         os.write(self.out, data)
                     except OSError:
                         pass

@@ -1,6 +1,7 @@
 """Stacks on demand for ddp-launch's stall watchdog, and its debug stall (ddp_train/launch/watchdog.py).
 
-`install(rank)`: when DDP_STACK_DIR is set (ddp-launch sets it), SIGUSR1 makes this rank write the
+`install(rank)`: when DDP_STACK_DIR is set (the node agent sets it to its private 0700 directory, and
+only such a directory of this user's is used), SIGUSR1 makes this rank write the
 Python stack of all its threads to $DDP_STACK_DIR/r<rank>.txt (faulthandler: works even while the main
 thread is blocked in C code such as a collective; https://docs.python.org/3/library/faulthandler.html).
 
@@ -15,6 +16,7 @@ import contextlib
 import faulthandler
 import os
 import signal
+import stat
 import time
 from typing import IO
 
@@ -28,12 +30,11 @@ def install(rank: int) -> None:
     """Register the SIGUSR1 dump (when asked) and read the debug stall option."""
     global _file, _stall
     directory = os.environ.get(STACK_DIR_ENV)
-    if directory and _file is None:
+    if directory and _file is None and _private(directory):
         try:
-            os.makedirs(directory, exist_ok=True)
-            _file = open(os.path.join(directory, f"r{rank}.txt"), "w", encoding="utf-8")  # noqa: SIM115
+            _file = os.fdopen(_create(os.path.join(directory, f"r{rank}.txt")), "w", encoding="utf-8")
             faulthandler.register(signal.SIGUSR1, file=_file, all_threads=True)
-            atexit.register(_remove, directory, _file.name)
+            atexit.register(_remove, _file.name)
         except OSError:
             _file = None
     spec = os.environ.get(DEBUG_STALL_ENV, "")
@@ -43,12 +44,31 @@ def install(rank: int) -> None:
         _stall = None
 
 
-def _remove(directory: str, path: str) -> None:
+def _private(directory: str) -> bool:
+    """The directory is a real one of this user's, writable by nobody else (the agent's mkdtemp): a dump
+    must never land where another user could have put a symlink (issue #24)."""
+    try:
+        st = os.lstat(directory)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def _create(path: str) -> int:
+    """A new 0600 file, never through a symlink; a leftover of this rank (a killed worker) is replaced."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, flags, 0o600)
+    except FileExistsError:
+        os.unlink(path)
+        return os.open(path, flags, 0o600)
+
+
+def _remove(path: str) -> None:
     """At a normal exit: no dump file left behind (the watchdog reads them while the rank runs)."""
     faulthandler.unregister(signal.SIGUSR1)
     with contextlib.suppress(OSError):
-        os.unlink(path)
-        os.rmdir(directory)  # the last rank of the node to leave removes the directory
+        os.unlink(path)  # the agent removes its directory once empty
 
 
 def debug_stall(step: int) -> None:

@@ -17,19 +17,13 @@ from ddp_train.agent import LIFELINE_ENV
 
 LIFELINE_S = 30  # the documented bound: seconds without a heartbeat before a node stops itself
 LIFELINE_BEAT_S = 5.0
-STACK_DIR_ENV = "DDP_STACK_DIR"  # the trainer registers a faulthandler dump into $DDP_STACK_DIR/r<rank>.txt
-
-
-def stack_dir(job_id: str) -> str:
-    """Where each node's ranks write their stack on SIGUSR1 (node-local; the launcher fetches it)."""
-    return f"/tmp/ddp-stacks-{job_id}"
 
 
 def node_env_line(base: bytes, job_id: str) -> bytes:
-    """The node agent's environment line with the lifeline and the stack directory added."""
+    """The node agent's environment line with the lifeline added. (The agent makes the ranks' stack
+    directory itself, a private one: ddp_train/agent.py private_dir.)"""
     env = json.loads(base)
     env[LIFELINE_ENV] = str(LIFELINE_S)
-    env.setdefault(STACK_DIR_ENV, stack_dir(job_id))
     return (json.dumps(env, ensure_ascii=True) + "\n").encode()
 
 

@@ -8,7 +8,8 @@ longest checkpoint save, at least STALL_FLOOR_S (a save or an evaluation must no
 On a stall it asks every node, through its control connection, for the stack of each rank: SIGUSR1 to
 every worker of the job that handles it (the trainer registers a faulthandler dump, all threads, into
 $DDP_STACK_DIR/r<rank>.txt: ddp_train/stackdump.py) and `py-spy dump` where py-spy is installed (native
-frames too). The stacks land in logs/<job>/stacks/<host>-r<rank>.txt. The main thread's frames
+frames too). The stacks land in logs/<job>/stacks/<host>-r<rank>.txt (<host> made a plain file name as
+for host logs). The main thread's frames
 (function names, innermost first) are compared: the ranks outside the largest group of identical stacks
 are named; with no single largest group, the ranks not waiting in a collective are. The job is then torn
 down and ddp-launch exits STALLED (4).
@@ -25,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from ddp_train import exitcodes
-from ddp_train.launch.lifeline import stack_dir
+from ddp_train.launch.jobstate import private_dir, write_private
+from ddp_train.launch.logs import safe_name
 from ddp_train.launch.progress import duration, parse_step
 
 STALL_FLOOR_S = 300.0
@@ -36,40 +38,44 @@ FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+) in (\S+)')
 THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+")
 
 # Runs on a node: list the job's workers of this node (RANK in their environment, GROUP_RANK = the node
-# rank: local nodes share one /proc) in this network namespace,
+# rank: local nodes share one /proc) in this network namespace, owned by this user,
 # SIGUSR1 each one whose SigCgt mask says it handles it (bit 9: SIGUSR1 = 10; an unhandled SIGUSR1
-# would kill the process), py-spy where installed, then print every dump.
+# would kill the process), py-spy where installed, then print every dump. Each worker's dump is in
+# its DDP_STACK_DIR: the node agent's private 0700 directory (ddp_train/agent.py), used only when it is
+# a directory of this user's (never a path another user could have prepared, issue #24).
 STACK_SCRIPT = r"""
-id=$1; dir=$2; node=$3; ranks=""
-mkdir -p "$dir"
+id=$1; node=$2; found=""; uid=$(id -u)
 me=$(readlink /proc/self/ns/net)
 for f in $(grep -lxzsF -- "DDP_JOB_ID=$id" /proc/[0-9]*/environ 2>/dev/null); do
   p=${f#/proc/}; p=${p%/environ}
   [ "$(readlink "/proc/$p/ns/net" 2>/dev/null)" = "$me" ] || continue
+  [ "$(sed -n 's/^Uid:[[:space:]]*\([0-9]*\).*/\1/p' "/proc/$p/status" 2>/dev/null)" = "$uid" ] || continue
   grep -qxzF -- "GROUP_RANK=$node" "$f" 2>/dev/null || continue
   rank=$(tr '\0' '\n' < "$f" 2>/dev/null | sed -n 's/^RANK=//p')
-  [ -n "$rank" ] || continue
+  dir=$(tr '\0' '\n' < "$f" 2>/dev/null | sed -n 's/^DDP_STACK_DIR=//p')
+  case "$rank" in ''|*[!0-9]*) continue ;; esac
   echo "WORKER $p $rank"
-  ranks="$ranks $rank"
+  [ -n "$dir" ] && [ -d "$dir" ] && [ ! -L "$dir" ] && [ -O "$dir" ] || dir=""
+  found="$found $rank:$dir"
   cgt=$(sed -n 's/^SigCgt:[[:space:]]*//p' "/proc/$p/status" 2>/dev/null)
   [ -n "$cgt" ] && [ $(( (0x$cgt >> 9) & 1 )) = 1 ] && kill -USR1 "$p" 2>/dev/null
-  if command -v py-spy >/dev/null 2>&1; then
-    timeout 20 py-spy dump --pid "$p" > "$dir/py-spy-r$rank.txt" 2>&1 &
+  if [ -n "$dir" ] && command -v py-spy >/dev/null 2>&1; then
+    (set -C; timeout 20 py-spy dump --pid "$p" > "$dir/py-spy-r$rank.txt" 2>&1) &
   fi
 done
 sleep 2
 wait
-for f in "$dir"/r*.txt "$dir"/py-spy-r*.txt; do
-  [ -f "$f" ] || continue
-  r=${f##*r}; r=${r%.txt}
-  case " $ranks " in *" $r "*) ;; *) continue ;; esac
-  echo "==> ${f##*/}"
-  cat "$f"
+# The launcher keeps the stacks (logs/<job>/stacks/); each one printed is removed from the node.
+for rd in $found; do
+  rank=${rd%%:*}; dir=${rd#*:}
+  [ -n "$dir" ] || continue
+  for name in "r$rank.txt" "py-spy-r$rank.txt"; do
+    [ -f "$dir/$name" ] && [ ! -L "$dir/$name" ] || continue
+    echo "==> $name"
+    cat -- "$dir/$name"
+    rm -f -- "$dir/$name"
+  done
 done
-# The launcher keeps the stacks (logs/<job>/stacks/); remove this node's own (several nodes may share
-# a /tmp), then the directory once empty.
-for r in $ranks; do rm -f -- "$dir/r$r.txt" "$dir/py-spy-r$r.txt"; done
-rmdir -- "$dir" 2>/dev/null
 exit 0
 """
 
@@ -120,7 +126,7 @@ class StallWatch:
 
         def one(item: tuple[Any, Callable[[str], tuple[int, str]]]) -> str:
             plan, run = item
-            args = [self.job_id, stack_dir(self.job_id), str(plan.rank)]
+            args = [self.job_id, str(plan.rank)]
             cmd = shlex.join(["sh", "-c", STACK_SCRIPT, "ddp-stacks", *args])
             try:
                 return run(cmd)[1]
@@ -128,13 +134,13 @@ class StallWatch:
                 return f"ERROR {e}"
 
         outputs = parallel(one, list(nodes))
-        self.dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.dir)
         stacks: dict[tuple[str, int], str] = {}
         for (plan, _), out in zip(nodes, outputs):
             for rank, text in split_dumps(out).items():
                 stacks[(plan.node.name, rank)] = text
-                path = self.dir / f"{plan.node.name}-r{rank}.txt"
-                path.write_text(text, encoding="utf-8")
+                # the inventory name as a plain file name, as host logs are (`../x` stays inside)
+                write_private(self.dir / f"{safe_name(plan.node.name)}-r{rank}.txt", text.encode())
         if not stacks:
             return f"no stack could be collected (see {self.dir})"
         odd = odd_ranks({k: main_frames(v) for k, v in stacks.items()})

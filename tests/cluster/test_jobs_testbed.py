@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -57,8 +58,8 @@ def test_the_stall_watchdog_names_the_blocked_host_and_rank(testbed: Testbed, tm
 def test_a_killed_detached_monitor_stops_every_host_over_ssh(testbed: Testbed, tmp_path: Path) -> None:
     inv = make_inventory(testbed, tmp_path)
     job = "jt-orphan"
-    for old in Path("/tmp").glob(f"ddp-agent-{job}-*.log"):  # the hosts share this machine's /tmp
-        old.unlink()
+    for old in Path("/tmp").glob(f"ddp-agent-{job}-*/"):  # the hosts share this machine's /tmp
+        shutil.rmtree(old)
     args = ["--hosts", str(inv), "--set", "train.max_steps=2000", "--set", "debug.step_delay_s=0.2",
             "--set", "log.interval_steps=2", "--detach", "--job-id", job]  # fmt: skip
     try:
@@ -76,7 +77,7 @@ def test_a_killed_detached_monitor_stops_every_host_over_ssh(testbed: Testbed, t
             time.sleep(0.5)
         assert job_pids(job) == [], "the hosts kept training without their monitor"
         assert_nothing_left(testbed, job)
-        agent_logs = "".join(p.read_text() for p in Path("/tmp").glob(f"ddp-agent-{job}-*.log"))
+        agent_logs = "".join(p.read_text() for p in Path("/tmp").glob(f"ddp-agent-{job}-*/agent.log"))
         assert agent_logs.count("lost the launcher") == 3, agent_logs
         m = re.search(r"ddp-train: stopped rank=0 world=3 step=(\d+) signal=SIGTERM", agent_logs)
         assert m, agent_logs
@@ -84,5 +85,5 @@ def test_a_killed_detached_monitor_stops_every_host_over_ssh(testbed: Testbed, t
         assert checkpoint.list_checkpoints(ckpts)[-1][0] == int(m.group(1))
     finally:
         kill_job(job)
-        for old in Path("/tmp").glob(f"ddp-agent-{job}-*.log"):
-            old.unlink()
+        for old in Path("/tmp").glob(f"ddp-agent-{job}-*/"):
+            shutil.rmtree(old)

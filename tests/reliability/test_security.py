@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import secrets
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -390,3 +394,52 @@ def test_no_secret_in_ps_on_any_node_during_preflight_or_training(testbed: Testb
     everything = run.text.encode() + b"".join(p.read_bytes() for p in files)
     for s in [*WIDE_SECRETS.values(), "cli-Zq82-marked"]:
         assert s.encode() not in everything, s
+
+
+@pytest.fixture
+def unprivileged_user() -> Iterator[str]:
+    """A throwaway local user (the other user of a shared node), removed afterwards."""
+    if os.geteuid() != 0 or not shutil.which("useradd"):
+        pytest.skip("needs root and useradd")
+    name = f"ddpeve{secrets.token_hex(2)}"
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name], check=True)
+    try:
+        yield name
+    finally:
+        subprocess.run(["userdel", name], check=False)
+
+
+def as_user(user: str, *argv: str) -> None:
+    subprocess.run(["setpriv", "--reuid", user, "--regid", user, "--clear-groups", *argv], check=True)
+
+
+def test_a_stack_directory_prepared_by_another_user_is_never_written_through(
+    tmp_path: Path, unprivileged_user: str
+) -> None:
+    """Issue #24 item 4: ranks opened /tmp/ddp-stacks-<job>/r<rank>.txt (a name anyone can guess from
+    `ps`) with open(..., "w"): a symlink another user put there made root truncate its target."""
+    target = tmp_path / "precious"
+    target.write_text("root's data\n")
+    target.chmod(0o644)
+    before = (target.read_bytes(), target.stat().st_mtime_ns)
+    job = job_id("sec-sym")
+    trap = Path(f"/tmp/ddp-stacks-{job}")
+    as_user(unprivileged_user, "mkdir", "-m", "0777", str(trap))
+    for rank in (0, 1):
+        as_user(unprivileged_user, "ln", "-s", str(target), str(trap / f"r{rank}.txt"))
+    try:
+        inv = local_inventory(tmp_path, nodes=2)
+        code, out = launch(
+            ["--hosts", str(inv), "--job-id", job, "--set", "train.max_steps=3",
+             "--set", f"run.dir={tmp_path}"],
+            tmp_path, timeout=300,
+        )  # fmt: skip
+        assert code == 0, out
+        assert len(finals(out.splitlines())) == 2, out
+        after = (target.read_bytes(), target.stat().st_mtime_ns)
+        print(f"symlink attack: target {target} before {before}, after {after}")
+        assert after == before
+        assert sorted(p.name for p in trap.iterdir()) == ["r0.txt", "r1.txt"]  # the trap itself untouched
+        assert all((trap / n).is_symlink() for n in ("r0.txt", "r1.txt"))
+    finally:
+        shutil.rmtree(trap, ignore_errors=True)

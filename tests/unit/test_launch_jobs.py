@@ -171,7 +171,7 @@ def test_the_agent_stops_without_heartbeats_and_keeps_its_output_when_nobody_rea
     t0 = time.monotonic()
     proc.wait(timeout=20)
     assert proc.returncode == 143 and 1.5 < time.monotonic() - t0 < 8
-    logs = list(tmp_path.glob("ddp-agent-lt-*.log"))
+    logs = list(tmp_path.glob("ddp-agent-lt-*/agent.log"))  # the agent's private directory
     assert len(logs) == 1 and "no heartbeat from the launcher for 2s" in logs[0].read_text()
     proc.stdin.close()
 

@@ -155,3 +155,23 @@ def test_detach_refuses_a_job_id_that_is_a_path_before_writing_anything(
     assert code == 2 and err.count("\n") == 1 and "--job-id '../../escaped'" in err, out + err
     assert sorted(p.name for p in tmp_path.parent.iterdir() if p.name == "escaped") == []
     assert list((tmp_path / "logs").iterdir()) == []
+
+
+# ---- item 5: stack files are named after the host as host logs are --------------------------------
+
+
+@pytest.mark.parametrize("name", ["../../outside", "a/b", "..", ".hidden"])
+def test_stack_files_stay_in_the_stacks_directory_whatever_the_host_name(tmp_path: Path, name: str) -> None:
+    from types import SimpleNamespace
+
+    from ddp_train.launch.watchdog import StallWatch
+
+    job_dir = tmp_path / "logs" / "j"
+    job_dir.mkdir(parents=True)
+    watch = StallWatch("j", job_dir, 10, lambda: 0.0)
+    plan = SimpleNamespace(node=SimpleNamespace(name=name), rank=0)
+    dump = 'Current thread 0x01 (most recent call first):\n  File "t.py", line 1 in <module>\n'
+    line = watch.collect([(plan, lambda cmd: (0, f"WORKER 1 0\n==> r0.txt\n{dump}"))])
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert [p.parent for p in written] == [job_dir / "stacks"], (line, written)
+    assert dump in written[0].read_text() and mode(written[0]) == 0o600
