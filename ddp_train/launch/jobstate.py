@@ -1,6 +1,7 @@
 """A job's state in files under logs/<job>/ (no daemon): job.json, written by the process that runs it.
 
-job.json holds the job id, the pid of the launcher or detached monitor running it, its state
+job.json holds the job id, the pid of the launcher or detached monitor running it (with its start
+time and the boot id: a pid reused by another process is never taken for it), its state
 (starting, running, stopping, then finished with an exit code), the nodes (host, rank, address), the
 master address and port, the start time, the working directory and the command. A job whose state is
 not final while its pid is gone is reported "lost" (the monitor was killed; the nodes stop themselves,
@@ -90,10 +91,49 @@ def pid_alive(pid: Any) -> bool:
         return True
 
 
+def boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def start_time(pid: int) -> int | None:
+    """When `pid` started, in clock ticks since boot (/proc/PID/stat field 22, proc(5)): with the boot
+    id, what tells this process from a later one that got the same pid."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def identity(pid: int) -> dict[str, Any]:
+    """What job.json records of the process running the job, besides its pid."""
+    return {"pid_start": start_time(pid), "boot_id": boot_id()}
+
+
+def monitor_alive(data: dict[str, Any]) -> bool:
+    """The job's recorded process still runs, and is that process: after a reboot or once it died its
+    pid may be anyone's, which must never be signalled (issue #24). A job.json without the start time
+    (an older ddp-launch) counts only when the pid's command line is a ddp-launch one."""
+    pid = data.get("pid")
+    if not pid_alive(pid):
+        return False
+    if data.get("pid_start") is not None or data.get("boot_id") is not None:
+        return data.get("boot_id") == boot_id() and data.get("pid_start") == start_time(pid)
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"ddp" in f.read()
+    except OSError:
+        return False
+
+
 def effective_state(data: dict[str, Any]) -> str:
-    """The recorded state, or "lost" when it says live but its process is gone."""
+    """The recorded state, or "lost" when it says live but its process is gone (or is another one)."""
     state = str(data.get("state") or "unknown")
-    if state in LIVE and not pid_alive(data.get("pid")):
+    if state in LIVE and not monitor_alive(data):
         return "lost"
     return state
 
@@ -134,6 +174,7 @@ def initial_state(plan: Any, argv: list[str], detached: bool) -> dict[str, Any]:
     return {
         "job_id": plan.job_id,
         "pid": os.getpid(),
+        **identity(os.getpid()),
         "state": "starting",
         "detached": detached,
         "started": time.time(),

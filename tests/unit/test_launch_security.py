@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,37 @@ def test_stack_files_stay_in_the_stacks_directory_whatever_the_host_name(tmp_pat
     written = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert [p.parent for p in written] == [job_dir / "stacks"], (line, written)
     assert dump in written[0].read_text() and mode(written[0]) == 0o600
+
+
+# ---- item 7: a stale pid in job.json is never signalled ---------------------------------------------
+
+
+@pytest.mark.parametrize("record", ["other start time", "other boot", "older job.json without identity"])
+def test_stop_never_signals_a_process_that_only_reuses_the_monitors_pid(
+    record: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    bystander = subprocess.Popen(["sleep", "60"])  # an unrelated process that got the recorded pid
+    try:
+        data = {"job_id": "stale", "pid": bystander.pid, "state": "running", "detached": True,
+                "master_port": 29500, "nodes": [{"host": "n1", "rank": 0}]}  # fmt: skip
+        # read here, not through jobstate: proc(5) /proc/PID/stat field 22, and the boot id
+        start = int(Path(f"/proc/{bystander.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        if record == "other start time":
+            data.update(pid_start=start - 1, boot_id=boot)
+        elif record == "other boot":
+            data.update(pid_start=start, boot_id="0" * 8 + boot[8:])
+        jobstate.write_state(jobstate.state_path(tmp_path, "stale"), data)
+        code, out, err = run_main(["stop", "--log-dir", str(tmp_path), "--no-wait", "stale"], capsys)
+        assert bystander.poll() is None, "the bystander got the job's SIGTERM"
+        assert code == 1 and "is gone" in out, out + err
+        # and the stale job no longer refuses a new one on its nodes
+        assert jobstate.conflict(tmp_path, "new", ["n1"], 29500) is None
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def test_the_running_monitor_is_recognised_by_its_recorded_identity(tmp_path: Path) -> None:
+    data = {"job_id": "live", "pid": os.getpid(), "state": "running", **jobstate.identity(os.getpid())}
+    assert jobstate.effective_state(data) == "running"
