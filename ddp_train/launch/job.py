@@ -59,10 +59,19 @@ STOPPED = re.compile(r"ddp-train: stopped rank=(\d+) world=\d+ step=(\d+) signal
 # Signals one node's processes: scope "all": its process group, then any process of this job
 # (DDP_JOB_ID in its environment) in this host's network namespace that left the group; scope "leader":
 # only the group leader (the agent running torchrun, which passes the signal on to its workers once).
-# SIG "-" only lists them.
+# SIG "-" only lists them. Only this user's processes (another user's may carry the same variable), and
+# the group only when PGID > 1 is a session leader of this user whose environment has the job's id,
+# as `setsid` made the agent: a PGID line printed by anything else (a .bashrc) never reaches kill.
 SIGNAL_SCRIPT = r"""
-sig=$1; pgid=$2; id=$3; scope=$4
-if [ "$sig" != - ] && [ -n "$pgid" ]; then
+sig=$1; pgid=$2; id=$3; scope=$4; uid=$(id -u)
+mine() { [ "$(sed -n 's/^Uid:[[:space:]]*\([0-9]*\).*/\1/p' "/proc/$1/status" 2>/dev/null)" = "$uid" ]; }
+leader() {
+  case "$1" in ''|*[!0-9]*) return 1 ;; esac
+  [ "$1" -gt 1 ] && mine "$1" && grep -qxzsF -- "DDP_JOB_ID=$id" "/proc/$1/environ" || return 1
+  set -- "$1" $(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null)  # pid, then state ppid pgrp session ...
+  [ "$4" = "$1" ] && [ "$5" = "$1" ]
+}
+if [ "$sig" != - ] && leader "$pgid"; then
   if [ "$scope" = leader ]; then kill -s "$sig" "$pgid" 2>/dev/null
   else kill -s "$sig" -- "-$pgid" 2>/dev/null; fi
 fi
@@ -70,11 +79,21 @@ me=$(readlink /proc/self/ns/net)
 for f in $(grep -lxzsF -- "DDP_JOB_ID=$id" /proc/[0-9]*/environ 2>/dev/null); do
   p=${f#/proc/}; p=${p%/environ}
   [ "$(readlink "/proc/$p/ns/net" 2>/dev/null)" = "$me" ] || continue
+  mine "$p" || continue
   if [ "$sig" != - ] && [ "$scope" != leader ]; then kill -s "$sig" "$p" 2>/dev/null; fi
   echo "JOBPROC $p $(tr '\0' ' ' < "/proc/$p/cmdline" 2>/dev/null | cut -c1-160)"
 done
 exit 0
 """
+
+
+def parse_pgid(line: str) -> int | None:
+    """The PGID of a `DDP-LAUNCH-PGID N` line, when N is a process group teardown may signal (> 1: a
+    `kill -- -1` would signal every process of the user; 0 would be the caller's own group)."""
+    parts = line.split()
+    if len(parts) == 2 and parts[0] == PGID_MARKER and parts[1].isdigit() and int(parts[1]) > 1:
+        return int(parts[1])
+    return None
 
 
 @dataclasses.dataclass
@@ -289,7 +308,7 @@ class Job:
             )
             for line in r.stream.lines():
                 if r.pgid is None and line.startswith(PGID_MARKER):
-                    r.pgid = int(line.split()[1])
+                    r.pgid = parse_pgid(line)  # None for a bad one: teardown then finds the job by id
                     continue
                 self._measure(line)
                 if self.watch is not None:

@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import secrets
 import shlex
 import shutil
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,6 +31,7 @@ from tests.cluster.test_launch_testbed import Launcher, assert_nothing_left, job
 from tests.reliability.support import finals, job_id, local_inventory, proc_env, stop, worker_pid
 from tests.testbed import Testbed
 from tests.unit.test_launch_plan import fake_venv
+from tests.unit.test_launch_security import as_user, unprivileged_user  # noqa: F401 - a fixture
 
 SECRETS = {
     "HF_TOKEN": "hf_Zq81-token-value",
@@ -396,25 +394,9 @@ def test_no_secret_in_ps_on_any_node_during_preflight_or_training(testbed: Testb
         assert s.encode() not in everything, s
 
 
-@pytest.fixture
-def unprivileged_user() -> Iterator[str]:
-    """A throwaway local user (the other user of a shared node), removed afterwards."""
-    if os.geteuid() != 0 or not shutil.which("useradd"):
-        pytest.skip("needs root and useradd")
-    name = f"ddpeve{secrets.token_hex(2)}"
-    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name], check=True)
-    try:
-        yield name
-    finally:
-        subprocess.run(["userdel", name], check=False)
-
-
-def as_user(user: str, *argv: str) -> None:
-    subprocess.run(["setpriv", "--reuid", user, "--regid", user, "--clear-groups", *argv], check=True)
-
-
 def test_a_stack_directory_prepared_by_another_user_is_never_written_through(
-    tmp_path: Path, unprivileged_user: str
+    tmp_path: Path,
+    unprivileged_user: str,  # noqa: F811 - the fixture imported above
 ) -> None:
     """Issue #24 item 4: ranks opened /tmp/ddp-stacks-<job>/r<rank>.txt (a name anyone can guess from
     `ps`) with open(..., "w"): a symlink another user put there made root truncate its target."""
@@ -424,9 +406,10 @@ def test_a_stack_directory_prepared_by_another_user_is_never_written_through(
     before = (target.read_bytes(), target.stat().st_mtime_ns)
     job = job_id("sec-sym")
     trap = Path(f"/tmp/ddp-stacks-{job}")
-    as_user(unprivileged_user, "mkdir", "-m", "0777", str(trap))
+    subprocess.run(as_user(unprivileged_user, "mkdir", "-m", "0777", str(trap)), check=True)
     for rank in (0, 1):
-        as_user(unprivileged_user, "ln", "-s", str(target), str(trap / f"r{rank}.txt"))
+        link = str(trap / f"r{rank}.txt")
+        subprocess.run(as_user(unprivileged_user, "ln", "-s", str(target), link), check=True)
     try:
         inv = local_inventory(tmp_path, nodes=2)
         code, out = launch(

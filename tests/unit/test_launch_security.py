@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import shutil
 import stat
 import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -210,3 +214,85 @@ def test_stop_never_signals_a_process_that_only_reuses_the_monitors_pid(
 def test_the_running_monitor_is_recognised_by_its_recorded_identity(tmp_path: Path) -> None:
     data = {"job_id": "live", "pid": os.getpid(), "state": "running", **jobstate.identity(os.getpid())}
     assert jobstate.effective_state(data) == "running"
+
+
+# ---- item 8: teardown keeps to this user's processes and to the job's own session ----------------
+
+
+@pytest.fixture
+def unprivileged_user() -> Iterator[str]:
+    """A throwaway local user (the other user of a shared node), removed afterwards."""
+    if os.geteuid() != 0 or not shutil.which("useradd") or not shutil.which("setpriv"):
+        pytest.skip("needs root, useradd and setpriv")
+    name = f"ddpeve{secrets.token_hex(2)}"
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name], check=True)
+    try:
+        yield name
+    finally:
+        subprocess.run(["userdel", name], check=False)
+
+
+def as_user(user: str, *argv: str) -> list[str]:
+    """argv to run as `user` (setpriv execs it: same pid, environment kept)."""
+    return ["setpriv", "--reuid", user, "--regid", user, "--clear-groups", *argv]
+
+
+def signal_node(sig: str, pgid: str, job: str, scope: str = "all") -> str:
+    from ddp_train.launch.job import SIGNAL_SCRIPT
+
+    res = subprocess.run(["sh", "-c", SIGNAL_SCRIPT, "ddp-launch", sig, pgid, job, scope],
+                         capture_output=True, text=True, timeout=30)  # fmt: skip
+    return res.stdout
+
+
+def test_teardown_spares_another_session_and_another_users_process_with_the_job_id(
+    unprivileged_user: str,
+) -> None:
+    job = f"sec-td-{secrets.token_hex(2)}"
+    env = dict(os.environ, DDP_JOB_ID=job)
+    # a session of this user that is not the job's (what a .bashrc's PGID line could name)
+    foreign = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    # another user's process that carries the same DDP_JOB_ID (anyone can set any variable)
+    other = subprocess.Popen(as_user(unprivileged_user, "sleep", "60"), env=env, start_new_session=True)
+    # the job's own session: its leader carries the id, as `setsid env DDP_JOB_ID=... sh` made it
+    own = subprocess.Popen(["sleep", "60"], env=env, start_new_session=True)
+    procs = (foreign, other, own)
+    try:
+        time.sleep(0.3)  # setpriv has exec'd sleep
+        for pgid in (foreign.pid, other.pid):
+            listed = signal_node("KILL", str(pgid), job)
+            assert str(other.pid) not in listed, listed
+        time.sleep(0.3)
+        assert foreign.poll() is None, "teardown killed a session that is not the job's"
+        assert other.poll() is None, "teardown killed another user's process"
+        signal_node("KILL", str(own.pid), job)
+        own.wait(timeout=10)  # the job's own session still goes
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize(
+    ("line", "pgid"),
+    [("DDP-LAUNCH-PGID 4242", 4242), ("DDP-LAUNCH-PGID 1", None), ("DDP-LAUNCH-PGID 0", None),
+     ("DDP-LAUNCH-PGID -7", None), ("DDP-LAUNCH-PGID 12 x", None), ("DDP-LAUNCH-PGID abc", None)],
+)  # fmt: skip
+def test_a_pgid_line_that_would_signal_every_process_is_refused(line: str, pgid: int | None) -> None:
+    from ddp_train.launch.job import parse_pgid
+
+    assert parse_pgid(line) == pgid
+
+
+def test_teardown_never_signals_process_group_1(tmp_path: Path) -> None:
+    """`kill -- -1` signals every process of the user: a PGID 1 given to the node script does nothing
+    (run as an unprivileged kill would be, the script's own check is what keeps it from happening)."""
+    from ddp_train.launch.job import SIGNAL_SCRIPT
+
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "kill").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/kills\n')
+    (shim / "kill").chmod(0o755)
+    script = SIGNAL_SCRIPT.replace("kill -s", f"{shim}/kill -s")  # record, never send
+    subprocess.run(["sh", "-c", script, "ddp-launch", "TERM", "1", "nojob", "all"], timeout=30, check=True)
+    assert not (tmp_path / "kills").exists()
