@@ -8,9 +8,11 @@ run the very same command strings through `/bin/sh -c` in a new session.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 import os
 import queue
+import re
 import secrets
 import shlex
 import shutil
@@ -413,11 +415,25 @@ def _connection(target: SshTarget, timeout: float, gateway: Connection | str | N
         connect_kwargs=connect_kwargs,
         gateway=gateway,
     )
+    _verify_keys(conn, target)
+    # A jump host from ~/.ssh/config (ProxyJump) is a Connection Fabric built itself, whose client
+    # accepts any key (fabric/connection.py: Connection.get_gateway, and __init__ sets AutoAddPolicy):
+    # every such hop gets the same known_hosts and RejectPolicy as the target (issue #24).
+    hop = conn.gateway if gateway is None else None
+    while isinstance(hop, Connection):
+        _verify_keys(hop, dataclasses.replace(target, host=hop.host, port=int(hop.port), host_key_alias=None))
+        hop = hop.gateway
+    return conn
+
+
+def _verify_keys(conn: Connection, target: SshTarget) -> None:
+    """The connection knows only the target's keys from known_hosts and rejects any other."""
+    import paramiko
+
     server = _server(target)
     for keytype, key in _host_keys(target).items():  # only this host's: the client looks up no other
         conn.client.get_host_keys().add(server, keytype, key)
     conn.client.set_missing_host_key_policy(paramiko.RejectPolicy())
-    return conn
 
 
 def _explain(e: BaseException, target: SshTarget, server: str, timeout: float) -> str:
@@ -433,6 +449,12 @@ def _explain(e: BaseException, target: SshTarget, server: str, timeout: float) -
             f"was reinstalled, verify its new key and replace the entry (ssh-keygen -R {server})"
         )
     if isinstance(e, paramiko.SSHException) and "not found in known_hosts" in str(e):
+        m = re.search(r"Server '([^']+)' not found", str(e))
+        if m and m.group(1) != server:  # a jump host's key (ProxyJump, perhaps from ~/.ssh/config)
+            return (
+                f"host key unknown: jump host {m.group(1)} is not in {files}; verify its key out of band and "
+                "add it there (host key checking is never disabled, on every hop)"
+            )
         return (
             f"host key unknown: {server} is not in {files}; verify the host's key out of band, then: {scan} "
             "(host key checking is never disabled)"

@@ -296,3 +296,35 @@ def test_teardown_never_signals_process_group_1(tmp_path: Path) -> None:
     script = SIGNAL_SCRIPT.replace("kill -s", f"{shim}/kill -s")  # record, never send
     subprocess.run(["sh", "-c", script, "ddp-launch", "TERM", "1", "nojob", "all"], timeout=30, check=True)
     assert not (tmp_path / "kills").exists()
+
+
+# ---- item 9: a jump host from ~/.ssh/config is verified like the target -----------------------------
+
+JUMP_KEY = "AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl"
+
+
+def test_a_jump_host_from_ssh_config_gets_known_hosts_and_reject_policy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import paramiko
+    from fabric import Connection
+
+    from ddp_train.launch.inventory import SshTarget
+    from ddp_train.launch.remote import _connection
+
+    ssh = tmp_path / ".ssh"
+    ssh.mkdir()
+    (ssh / "config").write_text("Host target.example\n  ProxyJump hop1.example,jumper@hop2.example:2222\n")
+    (ssh / "known_hosts").write_text(f"[hop2.example]:2222 ssh-ed25519 {JUMP_KEY}\n")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    conn = _connection(SshTarget(host="target.example"), 5, None)
+    hops = []
+    hop = conn.gateway
+    while isinstance(hop, Connection):
+        hops.append(hop)
+        hop = hop.gateway
+    assert [(h.host, h.port) for h in hops] == [("hop1.example", 22), ("hop2.example", 2222)]
+    for h in hops:  # Fabric's own default would be AutoAddPolicy: any key, never checked
+        assert isinstance(h.client._policy, paramiko.RejectPolicy), h.host
+    assert "[hop2.example]:2222" in h.client.get_host_keys()
+    assert isinstance(conn.client._policy, paramiko.RejectPolicy)
