@@ -26,7 +26,8 @@ def _job(log_dir: Path, job_id: str, pid: int, state: str = "running", port: int
     jobstate.write_state(
         jobstate.state_path(log_dir, job_id),
         {"job_id": job_id, "pid": pid, "state": state, "master_port": port, "started": time.time(),
-         "nodes": [{"host": "local0", "rank": 0}, {"host": "local1", "rank": 1}]},
+         "nodes": [{"host": "local0", "rank": 0}, {"host": "local1", "rank": 1}],
+         **jobstate.identity(pid)},  # as the launcher records its own process
     )  # fmt: skip
 
 
