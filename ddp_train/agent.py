@@ -81,7 +81,7 @@ def main(argv: list[str]) -> int:
         return 2
     except _Stopped as e:
         return _stopped_line(e.signum, started=False)
-    private = private_dir(env.get("DDP_JOB_ID", "job"))
+    private = private_dir(env.get("DDP_JOB_ID") or os.environ.get("DDP_JOB_ID", "job"))  # (on the argv)
     if private:
         env[STACK_DIR_ENV] = private  # the ranks' stack dumps, in a directory nobody else can touch
     os.environ.update(env)
@@ -95,8 +95,7 @@ def main(argv: list[str]) -> int:
         if lifeline is not None:
             lifeline.finish()
         if private:
-            with contextlib.suppress(OSError):
-                os.rmdir(private)  # only when empty: an agent.log stays for whoever looks
+            _clean(private)
 
 
 def _run_torchrun(argv: list[str]) -> int:
@@ -126,6 +125,17 @@ def private_dir(job_id: str) -> str | None:
         return tempfile.mkdtemp(prefix=f"ddp-agent-{safe}-")
     except OSError:
         return None
+
+
+def _clean(directory: str) -> None:
+    """At the end (the workers are gone): the stack dumps go (a killed rank leaves its file), then the
+    directory unless an agent.log stays for whoever looks."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            if name != "agent.log":
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(directory, name))
+        os.rmdir(directory)
 
 
 def lifeline_log(directory: str | None) -> str:

@@ -9,6 +9,7 @@ import secrets
 import shutil
 import stat
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -328,3 +329,22 @@ def test_a_jump_host_from_ssh_config_gets_known_hosts_and_reject_policy(
         assert isinstance(h.client._policy, paramiko.RejectPolicy), h.host
     assert "[hop2.example]:2222" in h.client.get_host_keys()
     assert isinstance(conn.client._policy, paramiko.RejectPolicy)
+
+
+def test_the_agent_gives_its_ranks_a_private_stack_directory_and_removes_it(tmp_path: Path) -> None:
+    torchrun = tmp_path / "torchrun"
+    torchrun.write_text(
+        "import os, stat, json\nd = os.environ['DDP_STACK_DIR']\nst = os.lstat(d)\n"
+        "open(os.path.join(d, 'r0.txt'), 'w').close()  # a rank killed before its atexit\n"
+        "print(json.dumps([d, stat.S_IMODE(st.st_mode), st.st_uid]))\n"
+    )
+    res = subprocess.run(
+        [sys.executable, "-m", "ddp_train.agent", str(torchrun)],
+        input=json.dumps({"DDP_STACK_DIR": "/tmp/ddp-stacks-guessable"}) + "\n", capture_output=True,
+        text=True, timeout=60, env=dict(os.environ, TMPDIR=str(tmp_path), DDP_JOB_ID="sec-agent"),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    directory, dir_mode, uid = json.loads(res.stdout.strip().splitlines()[-1])
+    assert Path(directory).parent == tmp_path and Path(directory).name.startswith("ddp-agent-sec-agent-")
+    assert (dir_mode, uid) == (0o700, os.geteuid())
+    assert not Path(directory).exists()  # removed at the end, the dead rank's dump with it
