@@ -3,18 +3,21 @@
 SSH with host key checking; the node's python, torch, torchrun and ddp_train; torch/CUDA/NCCL/Python
 versions and GPU count equal across nodes; no hostname resolving to loopback; MASTER_PORT free on the
 master and reachable from every node; and every node reachable from every other node on an
-OS-chosen ephemeral port, which is what gloo and NCCL connect to after the rendezvous.
+OS-chosen ephemeral port, which is what gloo and NCCL connect to after the rendezvous. A warning
+when MASTER_PORT also answers the controller while it is no node (the port is open beyond the job).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import ipaddress
 import json
 import posixpath
 import secrets
 import shlex
+import socket
 from typing import Any
 
 from ddp_train.launch import gpuhealth, netif, rdma
@@ -601,6 +604,9 @@ def _check_network(plan: JobPlan, checks: list[NodeCheck], timeout: float) -> No
                     c.fail(_unreachable(key, result))
 
         parallel(connect, ready)
+        outsider = _answers_outsider(plan, addresses, token, min(timeout, 2.0)) if "MASTER" in minfo else None
+        if outsider:
+            master.warnings.append(outsider)
     finally:
         # EOF ends every listener; wait for it so MASTER_PORT is free again before torchrun binds it
         streams = [s for s, _ in started if s is not None]
@@ -609,6 +615,33 @@ def _check_network(plan: JobPlan, checks: list[NodeCheck], timeout: float) -> No
         for s in streams:
             s.wait(timeout=5)
             s.close()
+
+
+def _answers_outsider(plan: JobPlan, addresses: dict[str, str], token: str, timeout: float) -> str | None:
+    """A warning when MASTER_PORT answers this controller while it is no node of the job: the rendezvous
+    (TCPStore) has no authentication, so a port that a non-member reaches lets it disturb the job. The
+    controller is the one non-member address preflight can see; a firewall that keeps the port to the
+    nodes makes this connect fail (issue #24)."""
+    if any(p.node.local for p in plan.nodes):  # the controller is a node itself
+        return None
+    try:
+        with socket.create_connection((plan.master_addr, plan.master_port), timeout=timeout) as s:
+            s.settimeout(timeout)
+            source = s.getsockname()[0]
+            answered = s.makefile().readline().strip() == token
+    except OSError:
+        return None  # refused, filtered or unreachable from here: what a firewall should make it
+    members = set(addresses.values()) | {plan.master_addr}
+    for p in plan.nodes:
+        with contextlib.suppress(LaunchError):
+            members.add(resolve(p.node.address))
+    if not answered or source in members:
+        return None
+    return (
+        f"MASTER_PORT {plan.master_port} at {plan.master_addr} answers this controller ({source}), which is "
+        "no node of the job: the rendezvous has no authentication, so any host that reaches it can abort "
+        "or disturb the job; let only the nodes reach it (firewall_trusted_sources, see README Security)"
+    )
 
 
 def _addresses(plan: JobPlan, checks: list[NodeCheck]) -> dict[str, str]:

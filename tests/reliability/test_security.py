@@ -426,3 +426,38 @@ def test_a_stack_directory_prepared_by_another_user_is_never_written_through(
         assert all((trap / n).is_symlink() for n in ("r0.txt", "r1.txt"))
     finally:
         shutil.rmtree(trap, ignore_errors=True)
+
+
+@pytest.mark.testbed
+def test_preflight_warns_when_master_port_answers_the_controller_that_is_no_node(
+    testbed: Testbed, tmp_path: Path
+) -> None:
+    """Issue #24 item 10, the launcher's part: the rendezvous has no authentication, so MASTER_PORT
+    open to a non-member (here: the controller, not in the inventory) is named; kept to the members by
+    a firewall rule on the master, preflight is quiet and every node still reaches it."""
+    tb = testbed
+    hosts = tb.hosts()[:3]
+    inv = named_inventory(tb, tmp_path, {h.name: h.ip for h in hosts}, {"ddp_workdir": str(tmp_path),
+                                                                       "ddp_venv": sys.prefix})  # fmt: skip
+    port = "29731"
+    code, out = launch(["doctor", "--hosts", str(inv), "--master-port", port], tmp_path)
+    assert code == 0, out
+    warned = [
+        ln for ln in out.splitlines() if ln.startswith(f"warn node0: MASTER_PORT {port} at {hosts[0].ip}")
+    ]
+    assert len(warned) == 1 and "answers this controller" in warned[0], out
+    print(f"outsider probe, port open: {warned[0]}")
+    members = ", ".join(h.ip for h in hosts)
+    rule = f"tcp dport {port} ip saddr != {{ {members} }} drop"
+    tb.exec(
+        hosts[0],
+        f"nft add table inet ddpsec && nft add chain inet ddpsec in "
+        f"'{{ type filter hook input priority 0; policy accept; }}' && nft add rule inet ddpsec in {rule}",
+    )
+    try:
+        code, out = launch(["doctor", "--hosts", str(inv), "--master-port", port], tmp_path)
+    finally:
+        tb.exec(hosts[0], "nft delete table inet ddpsec", check=False)
+    assert code == 0 and "preflight: all checks passed" in out, out  # every peer still reaches MASTER_PORT
+    assert "answers this controller" not in out, out
+    print(f"outsider probe, port kept to the nodes ({rule}): no warning; peers connect: all checks passed")
