@@ -10,12 +10,14 @@ extra: pip install 'ddp-train[plot]'; without it, one line says so).
 from __future__ import annotations
 
 import json
+import os
 import posixpath
 import shlex
-import shutil
 import threading
 from pathlib import Path
 from typing import Any
+
+from ddp_train.launch.jobstate import PRIVATE_FILE, write_private
 
 FETCH_EVERY_S = 30.0
 PLOT_HINT = "pip install 'ddp-train[plot]' (or: pip install matplotlib)"
@@ -72,9 +74,7 @@ class Fetcher:
                 src = Path(self.where["path"]).expanduser()
                 if not src.is_file():
                     return False
-                tmp = self.dest.with_suffix(".tmp")
-                shutil.copyfile(src, tmp)
-                tmp.replace(self.dest)
+                write_private(self.dest, src.read_bytes())
                 return True
             from ddp_train.launch.remote import open_session
 
@@ -85,9 +85,7 @@ class Fetcher:
             return False
         if code != 0 or not out:
             return False
-        tmp = self.dest.with_suffix(".tmp")
-        tmp.write_text(out if out.endswith("\n") else out + "\n", encoding="utf-8")
-        tmp.replace(self.dest)
+        write_private(self.dest, (out if out.endswith("\n") else out + "\n").encode())
         return True
 
     def stop(self) -> None:
@@ -164,6 +162,7 @@ def render_png(records: list[dict[str, Any]], png: Path) -> str:
     tmp = png.with_suffix(".tmp.png")
     fig.savefig(tmp)
     plt.close(fig)
+    os.chmod(tmp, PRIVATE_FILE)  # the job's files are its owner's only
     tmp.replace(png)
     return f"plot: {png}"
 

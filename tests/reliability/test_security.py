@@ -392,6 +392,9 @@ def test_no_secret_in_ps_on_any_node_during_preflight_or_training(testbed: Testb
     everything = run.text.encode() + b"".join(p.read_bytes() for p in files)
     for s in [*WIDE_SECRETS.values(), "cli-Zq82-marked"]:
         assert s.encode() not in everything, s
+    # a real job's directory (metrics and plot included) is its owner's only
+    assert (tmp_path / "logs" / job).stat().st_mode & 0o777 == 0o700
+    assert {p.name: p.stat().st_mode & 0o777 for p in files} == {p.name: 0o600 for p in files}
 
 
 def test_a_stack_directory_prepared_by_another_user_is_never_written_through(
