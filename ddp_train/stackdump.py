@@ -31,10 +31,11 @@ def install(rank: int) -> None:
     global _file, _stall
     directory = os.environ.get(STACK_DIR_ENV)
     if directory and _file is None and _private(directory):
+        path = os.path.join(directory, f"r{rank}.txt")
         try:
-            _file = os.fdopen(_create(os.path.join(directory, f"r{rank}.txt")), "w", encoding="utf-8")
+            _file = os.fdopen(_create(path), "w", encoding="utf-8")
             faulthandler.register(signal.SIGUSR1, file=_file, all_threads=True)
-            atexit.register(_remove, _file.name)
+            atexit.register(_remove, path)
         except OSError:
             _file = None
     spec = os.environ.get(DEBUG_STALL_ENV, "")

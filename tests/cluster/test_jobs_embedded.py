@@ -140,7 +140,7 @@ def test_detach_status_attach_stop_resume_and_a_killed_monitor(tmp_path: Path) -
         os.kill(state(tmp_path, resumed)["pid"], signal.SIGKILL)
         wait_until(lambda: job_pids(resumed) == [], 45, "every process of the job to end")
         assert re.search(rf"^{resumed}\s+lost\s", launch(["jobs"], tmp_path).stdout, re.M)
-        agent_logs = "".join(p.read_text() for p in tmp_path.glob(f"ddp-agent-{resumed}-*.log"))
+        agent_logs = "".join(p.read_text() for p in tmp_path.glob(f"ddp-agent-{resumed}-*/agent.log"))
         assert agent_logs.count("lost the launcher (stdin closed") == 2, agent_logs
         m = re.search(r"ddp-train: stopped rank=0 world=2 step=(\d+) signal=SIGTERM", agent_logs)
         assert m and int(m.group(1)) > step, agent_logs
