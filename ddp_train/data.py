@@ -6,6 +6,7 @@ import json
 import logging
 import mmap
 import os
+import warnings
 from collections.abc import Iterator, Sized
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,9 +127,16 @@ class TokenFile(Dataset):
         size check is a ConfigError naming it, like every other bad token file."""
         try:
             with open(self.path, "rb") as f:
-                # ACCESS_COPY: a writable (copy-on-write) view, so torch.frombuffer needs no copy or warning.
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            self._tokens = torch.frombuffer(self._map, dtype=self.dtype, count=self.num_tokens)
+                # ACCESS_READ: shared read-only pages, the page cache's own. A private writable map
+                # (ACCESS_COPY) is charged to every rank and worker as if written, so a strict overcommit
+                # (vm.overcommit_memory=2) refuses it with ENOMEM for a large file.
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            with warnings.catch_warnings():
+                # torch.frombuffer of a read-only buffer warns once that the tensor is writable anyway
+                # (torch 2.13 csrc/utils/tensor_new.cpp, "The given buffer is not writable"); this
+                # tensor is only ever sliced and copied by .to(int64) in __getitem__, never written.
+                warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+                self._tokens = torch.frombuffer(self._map, dtype=self.dtype, count=self.num_tokens)
         except OSError as exc:
             raise ConfigError(self.path, self.field, f"cannot open: {exc.strerror or exc}") from None
         except ValueError:
