@@ -83,7 +83,10 @@ def test_run_throughput_line_names_both_figures(tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("throughput:")]
     assert len(lines) == 1, lines
     words = lines[0].split()
-    wall, compute = float(words[words.index("wall-clock,") - 2]), float(words[words.index("compute-only") - 2])
+    wall, compute = (
+        float(words[words.index("wall-clock,") - 2]),
+        float(words[words.index("compute-only") - 2]),
+    )
     assert wall < compute  # 4 x 0.1 s of debug delay is paused out of the compute figure only
 
 
