@@ -359,6 +359,15 @@ def _collate(items: Any) -> Any:
     return items if isinstance(items, _LoadFailure) else default_collate(items)
 
 
+def worker_start_method(device: torch.device) -> str | None:
+    """How DataLoader workers start: `forkserver` once CUDA and NCCL are up in this process (torch 2.13
+    nn/parallel/distributed.py, DDP's warning: "NCCL2 [is] not fork safe ... likely experience
+    deadlocks"), so workers are started by a clean server process and receive the dataset pickled
+    (TokenFile pickles without its map and maps the file itself). On CPU the default fork: no CUDA,
+    no NCCL, and no server process to import torch again."""
+    return "forkserver" if device.type == "cuda" else None
+
+
 class ShardedBatches:
     """This rank's batches from one long-lived DataLoader; resumable mid-epoch, bit-exact.
 
@@ -379,6 +388,7 @@ class ShardedBatches:
         pin_memory: bool = False,
         index_log: Path | None = None,
         prefetch_factor: int = 2,
+        worker_start: str | None = None,
     ) -> None:
         self.dataset, self.batch_size, self.rank, self.seed = dataset, batch_size, rank, seed
         self.num_workers, self.pin_memory, self.index_log = num_workers, pin_memory, index_log
@@ -401,6 +411,7 @@ class ShardedBatches:
             pin_memory=pin_memory,
             persistent_workers=num_workers > 0,
             prefetch_factor=prefetch_factor if num_workers > 0 else None,
+            multiprocessing_context=worker_start if num_workers > 0 else None,
             generator=torch.Generator().manual_seed(seed),
         )
         self.epoch, self.position = 0, 0

@@ -23,7 +23,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_train import checkpoint, distributed, exitcodes, stackdump, tbwriter
 from ddp_train.config import Config, ConfigError, dump_yaml
 from ddp_train.console import emit_line
-from ddp_train.data import ShardedBatches, build_dataset, build_val_dataset, resolve_vocab
+from ddp_train.data import (
+    ShardedBatches,
+    build_dataset,
+    build_val_dataset,
+    resolve_vocab,
+    worker_start_method,
+)
 from ddp_train.distributed import DistEnv
 from ddp_train.evaluate import Evaluator, perplexity
 from ddp_train.meter import PendingStep, StepMeter
@@ -169,6 +175,7 @@ class Trainer:
             pin_memory=device.type == "cuda",
             index_log=index_log,
             prefetch_factor=cfg.data.prefetch_factor,
+            worker_start=worker_start_method(device),  # forkserver after NCCL init
         )
         self.checkpoints = checkpoint.Checkpointer(
             cfg.checkpoint_dir,

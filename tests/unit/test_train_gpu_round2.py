@@ -1,5 +1,6 @@
 """Issue 31 on CPU: a cheap best.pt, wall-clock throughput, eval timed after the step, flight-recorder
-dump directories on every rank, DDP's gradient bucket views, read-only token maps, no DDP at world 1."""
+dump directories on every rank, DDP's gradient bucket views, forkserver workers, read-only token maps,
+no DDP at world 1."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from test_train_loop import metrics, train
 
 from ddp_train import checkpoint, distributed, exitcodes, meter, trainer
 from ddp_train.config import ConfigError, load_config
-from ddp_train.data import TokenFile
+from ddp_train.data import ShardedBatches, TokenFile, worker_start_method
 from ddp_train.evaluate import Evaluator
 from ddp_train.meter import StepMeter
 from ddp_train.models import build_model
@@ -252,3 +253,22 @@ def test_token_file_is_mapped_read_only(tmp_path, recwarn):
     # ACCESS_COPY was 'rw-p': private writable, charged to every rank and worker under strict overcommit
     assert perms and all("w" not in p for p in perms), perms
     assert not [w for w in recwarn if "not writable" in str(w.message)]
+
+
+# --- 6: DataLoader workers are not fork()ed from a process that runs NCCL ------------------------------
+
+
+def test_workers_start_from_a_forkserver_on_cuda_and_read_the_same_batches(tmp_path):
+    assert worker_start_method(torch.device("cuda", 0)) == "forkserver"
+    assert worker_start_method(torch.device("cpu")) is None  # no NCCL, no CUDA: fork is safe and cheap
+    path = tmp_path / "train.bin"
+    path.write_bytes(struct.pack("<2001H", *[i % 50 for i in range(2001)]))
+    ds = TokenFile(str(path), block_size=40, vocab_size=64)
+    ds[0]  # mapped in this process: the map must not travel to the workers (an mmap cannot be pickled)
+    inline = ShardedBatches(ds, 4, 0, 1, seed=3)
+    served = ShardedBatches(ds, 4, 0, 1, seed=3, num_workers=2, worker_start="forkserver")
+    assert served.loader.multiprocessing_context.get_start_method() == "forkserver"
+    try:
+        assert all(torch.equal(served.next()[0], inline.next()[0]) for _ in range(15))  # crosses an epoch
+    finally:
+        served.close()
