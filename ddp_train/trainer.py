@@ -204,6 +204,11 @@ class Trainer:
         # test_ddp_gradients_stay_views_of_the_buckets checks it). Without DDP, None frees the memory
         # between steps instead.
         self._grads_to_none = not isinstance(self.ddp, DDP)
+        # Compiled, the first training step and the first validation compile on every rank, at different
+        # speeds, and the first collective after them waits for the slowest: dist.compile_timeout_s
+        # applies until the first step ran (run() starts the group with it) and during the first
+        # validation, collective_timeout_s otherwise.
+        self._compiling = {"train", "eval"} if t.compile and env.distributed else set()
         self.ddp.train()  # once: evaluate() puts the mode back (a train() per step walked every module)
         self.flops_per_token = flops_per_token(self.model)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
@@ -309,7 +314,12 @@ class Trainer:
             # fit() pops the meter before saving).
             self.meter.drain()
         t0 = time.perf_counter()
+        first_compiled = "eval" in self._compiling
+        if first_compiled:
+            distributed.set_collective_timeout(first_step_timeout_s(self.cfg))
         loss = self.evaluator.evaluate(self.net, self.autocast)
+        if first_compiled:
+            self._compiled("eval")
         self._val[self.step] = loss
         best = self.best.get("val_loss")
         if math.isfinite(loss) and (best is None or loss < best):
@@ -318,6 +328,13 @@ class Trainer:
                 self.save_best()
         self._pause(time.perf_counter() - t0)  # compute-only tokens/s and MFU; the wall figure keeps it
         return loss
+
+    def _compiled(self, phase: str) -> None:
+        """`phase` ("train" or "eval") has run compiled on every rank: back to the collective timeout
+        unless the first training step is still on its way (validate raises it again for its first)."""
+        self._compiling.discard(phase)
+        if "train" not in self._compiling:
+            distributed.set_collective_timeout(self.cfg.dist.collective_timeout_s)
 
     def save(self) -> None:
         """A checkpoint of this step: every rank's RNG state gathered, rank 0 writes, all wait for it."""
@@ -390,6 +407,8 @@ class Trainer:
                 self._flags[1].fill_(sigint)
                 stats = torch.cat([torch.stack([loss, gnorm]), self._flags])
                 finished = meter.pop()
+                if finished is not None and "train" in self._compiling:
+                    self._compiled("train")  # its all-reduce is back: every rank compiled and ran it
                 meter.push(
                     self.step,
                     self.batches.epoch,
@@ -562,6 +581,23 @@ def flight_recorder_env(run_dir: Any, environ: Any = None) -> dict[str, str]:
     return added
 
 
+def first_step_timeout_s(cfg: Config) -> float:
+    """The collective timeout until the compiled steps ran once (Trainer._compiled)."""
+    d = cfg.dist
+    return max(d.compile_timeout_s, d.collective_timeout_s) if cfg.train.compile else d.collective_timeout_s
+
+
+def compile_threads_env(env: DistEnv, environ: Any = None) -> dict[str, str]:
+    """TORCHINDUCTOR_COMPILE_THREADS = this node's cores / its ranks, unless set. Inductor otherwise
+    gives every rank min(32, cores) compile workers (torch 2.13 _inductor/config.py
+    decide_compile_threads, read once when torch._inductor.config is first imported: set it before)."""
+    environ = os.environ if environ is None else environ
+    if "TORCHINDUCTOR_COMPILE_THREADS" in environ:
+        return {}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return {"TORCHINDUCTOR_COMPILE_THREADS": str(max(1, cores // max(1, env.local_world_size)))}
+
+
 def make_dump_dirs(environ: Any = None) -> None:
     """Create the directory of the flight recorder's dump files on this rank. torch's writer creates no
     directory: DebugInfoWriter::write opens a std::ofstream and only logs "Error opening file for
@@ -590,7 +626,9 @@ def run(cfg: Config, source: str = "config") -> int:
         device = distributed.select_device(cfg.dist, env)
         os.environ.update(flight_recorder_env(cfg.run_dir))
         make_dump_dirs()  # on every rank: only rank 0 creates the run directory
-        distributed.init(cfg.dist, env, device)
+        if cfg.train.compile:
+            os.environ.update(compile_threads_env(env))
+        distributed.init(cfg.dist, env, device, first_step_timeout_s(cfg))
         trainer = Trainer(cfg, env, device, stop)
         code = trainer.fit()
         distributed.barrier()  # no rank tears down its connections while a peer still uses them

@@ -148,7 +148,7 @@ def test_eval_is_timed_after_the_device_finished_the_step(tmp_path, monkeypatch,
 def test_flight_recorder_dump_dir_is_made_on_a_rank_other_than_0(tmp_path, monkeypatch):
     seen = {}
 
-    def init(cfg, env, device):
+    def init(cfg, env, device, *_):
         prefix = Path(os.environ["TORCH_FR_DUMP_TEMP_FILE"])
         seen["rank"], seen["dir"] = env.rank, prefix.parent.is_dir()
         raise ConfigError("config", "dist", "stop here")  # no process group needed for this test
@@ -272,3 +272,60 @@ def test_workers_start_from_a_forkserver_on_cuda_and_read_the_same_batches(tmp_p
         assert all(torch.equal(served.next()[0], inline.next()[0]) for _ in range(15))  # crosses an epoch
     finally:
         served.close()
+
+
+# --- 7: compiled, the first step and the first validation get dist.compile_timeout_s ------------------
+
+
+def test_compile_timeout_covers_the_first_step_and_the_first_validation(tmp_path, monkeypatch, capsys):
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setattr(torch, "compile", lambda model, **_: model)  # the timeouts, not inductor, on trial
+    seen: list[tuple[str, int, float]] = []
+
+    def timeout() -> float:
+        group = dist.distributed_c10d._get_default_group()
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+    step, evaluate = trainer.Trainer.train_step, Evaluator.evaluate
+
+    def spy_step(self):
+        seen.append(("train", self.step + 1, timeout()))
+        return step(self)
+
+    def spy_eval(self, *a, **k):
+        seen.append(("eval", -1, timeout()))
+        return evaluate(self, *a, **k)
+
+    monkeypatch.setattr(trainer.Trainer, "train_step", spy_step)
+    monkeypatch.setattr(Evaluator, "evaluate", spy_eval)
+    sets = ("train.compile=true", "train.max_steps=5", "eval.interval_steps=3", "dist.compile_timeout_s=1000")
+    code, _ = train(tmp_path, *sets, "dist.collective_timeout_s=200")
+    assert code == 0, capsys.readouterr().err
+    # step 1's all-reduce is read back while step 2 runs: from step 3 on the normal timeout, raised again
+    # for the first (compiling) validation only
+    assert seen == [
+        ("train", 1, 1000),
+        ("train", 2, 1000),
+        ("train", 3, 200),
+        ("eval", -1, 1000),
+        ("train", 4, 200),
+        ("train", 5, 200),
+        ("eval", -1, 200),
+    ]
+
+
+def test_compile_threads_are_the_node_cores_shared_by_its_ranks(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)), raising=False)
+    four = distributed.DistEnv(local_world_size=4)
+    assert trainer.compile_threads_env(four, {}) == {"TORCHINDUCTOR_COMPILE_THREADS": "4"}
+    assert trainer.compile_threads_env(distributed.DistEnv(local_world_size=32), {}) == {
+        "TORCHINDUCTOR_COMPILE_THREADS": "1"
+    }
+    assert trainer.compile_threads_env(four, {"TORCHINDUCTOR_COMPILE_THREADS": "2"}) == {}  # the user's wins
