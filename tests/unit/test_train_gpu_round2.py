@@ -15,9 +15,9 @@ import torch
 import torch.multiprocessing as mp
 from test_train_loop import metrics, train
 
-from ddp_train import checkpoint, distributed, exitcodes, meter, trainer
+from ddp_train import checkpoint, data, distributed, exitcodes, meter, trainer
 from ddp_train.config import ConfigError, load_config
-from ddp_train.data import ShardedBatches, TokenFile, worker_start_method
+from ddp_train.data import ShardedBatches, TokenFile
 from ddp_train.evaluate import Evaluator
 from ddp_train.meter import StepMeter
 from ddp_train.models import build_model
@@ -259,8 +259,8 @@ def test_token_file_is_mapped_read_only(tmp_path, recwarn):
 
 
 def test_workers_start_from_a_forkserver_on_cuda_and_read_the_same_batches(tmp_path):
-    assert worker_start_method(torch.device("cuda", 0)) == "forkserver"
-    assert worker_start_method(torch.device("cpu")) is None  # no NCCL, no CUDA: fork is safe and cheap
+    assert data.worker_start_method(torch.device("cuda", 0)) == "forkserver"
+    assert data.worker_start_method(torch.device("cpu")) is None  # no NCCL, no CUDA: fork is safe and cheap
     path = tmp_path / "train.bin"
     path.write_bytes(struct.pack("<2001H", *[i % 50 for i in range(2001)]))
     ds = TokenFile(str(path), block_size=40, vocab_size=64)
