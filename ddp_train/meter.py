@@ -60,11 +60,6 @@ class StepMeter:
         """Training-clock time: wall time minus what `pause` excluded."""
         return time.perf_counter() - self._paused
 
-    @property
-    def paused(self) -> float:
-        """Seconds left out of the training clock so far."""
-        return self._paused
-
     def pause(self, seconds: float) -> None:
         """Leave `seconds` (eval, checkpoint, debug delay) out of the compute-only throughput figures."""
         self._paused += seconds
