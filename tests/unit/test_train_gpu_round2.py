@@ -5,6 +5,7 @@ no DDP at world 1."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import struct
 import time
@@ -77,18 +78,17 @@ def test_wall_clock_tokens_per_s_keeps_the_time_eval_takes(tmp_path, monkeypatch
         assert 0.3 <= hidden < 1.0, r  # the eval paused out of tokens_per_s is in the wall figure
 
 
-def test_run_throughput_line_names_both_figures(tmp_path, caplog):
-    caplog.set_level("INFO", logger="ddp_train")
+def test_run_throughput_line_names_both_figures(tmp_path, capsys):
     code, _ = train(tmp_path, "train.max_steps=4", "eval.interval_steps=2", "debug.step_delay_s=0.1")
+    captured = capsys.readouterr()
     assert code == 0
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("throughput:")]
-    assert len(lines) == 1, lines
-    words = lines[0].split()
-    wall, compute = (
-        float(words[words.index("wall-clock,") - 2]),
-        float(words[words.index("compute-only") - 2]),
+    lines = [ln for ln in (captured.out + captured.err).splitlines() if " INFO throughput: " in ln]
+    assert len(lines) == 1, captured.err[-2000:]
+    m = re.search(
+        r"throughput: 4 steps in \S+s wall: (\d+) tok/s wall-clock, (\d+) tok/s compute-only", lines[0]
     )
-    assert wall < compute  # 4 x 0.1 s of debug delay is paused out of the compute figure only
+    assert m, lines[0]
+    assert int(m.group(1)) < int(m.group(2))  # 4 x 0.1 s of debug delay is paused out of compute only
 
 
 # --- 2: validation starts its clock after the device finished the step ---------------------------------
@@ -329,3 +329,18 @@ def test_compile_threads_are_the_node_cores_shared_by_its_ranks(monkeypatch):
         "TORCHINDUCTOR_COMPILE_THREADS": "1"
     }
     assert trainer.compile_threads_env(four, {"TORCHINDUCTOR_COMPILE_THREADS": "2"}) == {}  # the user's wins
+
+
+# --- 1: the job summary reads the run's throughput line ------------------------------------------------
+
+
+def test_the_launchers_job_summary_parses_the_trainers_throughput_line(tmp_path, capsys):
+    from ddp_train.launch.progress import parse_throughput
+
+    code, _ = train(tmp_path, "train.max_steps=4", "eval.interval_steps=2", "debug.step_delay_s=0.1")
+    captured = capsys.readouterr()
+    assert code == 0
+    lines = (captured.out + captured.err).splitlines()  # the lines ddp-launch reads from a node
+    speed = parse_throughput(lines)
+    assert speed is not None and speed["steps"] == 4, lines[-3:]
+    assert 0 < speed["wall_tokens_per_s"] < speed["tokens_per_s"]
