@@ -54,7 +54,7 @@ class StepMeter:
         self.started_clock = self.window_start = self.now()
         self.window_tokens = self.window_steps = 0
         self.total_tokens = self.total_steps = 0  # over the run, for its wall-clock and compute totals
-        self.last_wall, self.last_stamp = self.started, self.started_clock
+        self.last_stamp = self.started_clock
 
     def now(self) -> float:
         """Training-clock time: wall time minus what `pause` excluded."""
@@ -105,7 +105,7 @@ class StepMeter:
         self.window_steps += 1
         self.total_tokens += p.tokens
         self.total_steps += 1
-        self.last_wall, self.last_stamp = p.wall, p.stamp
+        self.last_stamp = p.stamp
         return p, values
 
     def close_window(self, p: PendingStep) -> tuple[float, float, int, int]:

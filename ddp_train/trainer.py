@@ -492,10 +492,11 @@ class Trainer:
         return stop
 
     def _log_run_throughput(self, meter: StepMeter) -> None:
-        """The run's totals on rank 0: wall-clock tokens/s beside the compute-only figure, and the time
-        between them (eval, best.pt, checkpoints, debug delays)."""
+        """The run's totals on rank 0: wall-clock tokens/s (from the loop's start to now, after the last
+        step's numbers came back: the last evaluation included) beside the compute-only figure, and the
+        time between them (eval, best.pt, checkpoints, debug delays)."""
         steps, tokens = meter.total_steps, meter.total_tokens
-        wall, compute = meter.last_wall - meter.started, meter.last_stamp - meter.started_clock
+        wall, compute = time.perf_counter() - meter.started, meter.last_stamp - meter.started_clock
         if not (self.env.is_main and steps and compute > 0):
             return
         log.info(

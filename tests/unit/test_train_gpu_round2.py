@@ -91,6 +91,18 @@ def test_run_throughput_line_names_both_figures(tmp_path, capsys):
     assert int(m.group(1)) < int(m.group(2))  # 4 x 0.1 s of debug delay is paused out of compute only
 
 
+def test_run_throughput_counts_the_evaluation_after_the_last_step(tmp_path, monkeypatch, capsys):
+    real = Evaluator.evaluate
+    monkeypatch.setattr(
+        Evaluator, "evaluate", lambda self, *a, **k: (time.sleep(0.3), real(self, *a, **k))[1]
+    )
+    code, _ = train(tmp_path, "train.max_steps=2", "eval.interval_steps=2")
+    err = capsys.readouterr().err
+    assert code == 0
+    m = re.search(r"throughput: 2 steps in \S+s wall: .* \((\S+)s of eval, checkpoints and delays", err)
+    assert m and float(m.group(1)) >= 0.3, err[-1500:]
+
+
 # --- 2: validation starts its clock after the device finished the step ---------------------------------
 
 
