@@ -7,6 +7,7 @@
     python bench/gpu_bench.py loader            # G5 loader-alone tokens/s (workers 0 / N) vs the trainer's
     python bench/gpu_bench.py logits-memory     # G6 peak memory of a step: logits.float() copy vs none
     torchrun --standalone --nproc-per-node 1 bench/gpu_bench.py grad-memory   # G7 DDP grads set_to_none
+    python bench/gpu_bench.py eval-timing       # G8 compute-only tokens/s with eval every 10 vs none
 
 bench/gpu.sh runs them all in about 7 minutes. Same model, batch, precision and compile setting on
 both sides of every ratio; throughput is the median over timed steps after warm-up (and compilation).
@@ -239,6 +240,34 @@ def cmd_trainer_vs_minimal(a: argparse.Namespace) -> None:
             minimal_wall_s=f"{base_wall:.2f}",
             first_window_s=f"{first_s:.1f}",
         )
+    )
+
+
+def cmd_eval_timing(a: argparse.Namespace) -> None:
+    """G8: issue 31 item 2. The trainer's compute-only tokens/s with eval every 10 steps against eval
+    off (best.pt off on both sides, eager: eval's timing, not compilation): ~1.0 when eval's pause
+    holds eval only; before the fix eval's clock started while the GPU still ran the step before it,
+    so that step left the figure (~1.11). The wall-clock figures show what eval really costs."""
+    steps, warmup = (10, 5) if a.smoke else (40, 10)
+    base = [*(SMOKE_SETS if a.smoke else GPU_SETS), "train.compile=false", "eval.keep_best=false"]
+    out = {}
+    for name, every in (("eval", 10), ("no_eval", 0)):
+        recs = [
+            r
+            for r in trainer_records([*base, f"eval.interval_steps={every}"], warmup + steps)
+            if r["step"] > warmup
+        ]
+        out[name] = (
+            statistics.median(r["tokens_per_s"] for r in recs),
+            statistics.median(r["wall_tokens_per_s"] for r in recs),
+        )
+    (ev, ev_wall), (no, no_wall) = out["eval"], out["no_eval"]
+    print(
+        f"compute-only tokens/s: eval every 10 steps {ev:.0f}, no eval {no:.0f}; wall-clock {ev_wall:.0f} "
+        f"and {no_wall:.0f}"
+    )
+    print(
+        ratio_line("G8", "eval10/no_eval", "compute_tokens_s", ev / no, wall_ratio=f"{ev_wall / no_wall:.3f}")
     )
 
 
@@ -508,6 +537,7 @@ def main() -> None:
         "loader": cmd_loader,
         "logits-memory": cmd_logits_memory,
         "grad-memory": cmd_grad_memory,
+        "eval-timing": cmd_eval_timing,
     }
     p.add_argument("check", choices=list(checks))
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks the script, not the GPU")
