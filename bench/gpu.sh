@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 7 and 14 as one script (~7 minutes on one H200): G1 bf16 matmul ceiling, G2 our
+# The GPU checks of issues 7, 14 and 31 as one script (~7 minutes on one H200 before issue 31's G7 and G8,
+# which add an estimated 1-2): G1 bf16 matmul ceiling, G2 our
 # trainer vs a nanoGPT-style loop on GPT-124M (tokens/s, MFU), G3 DDP world_size 1 over NCCL vs bare,
 # G4 step time with a per-step stats sync vs StepMeter, G5 loader-alone vs trainer tokens/s on a token
 # file, G6 peak memory with vs without the logits.float() copy, G7 (issue 31) DDP gradient memory with
