@@ -36,7 +36,7 @@ from ddp_train.launch.plan import (
     env_line,
     shown_env,
 )
-from ddp_train.launch.progress import live_line, parse_step
+from ddp_train.launch.progress import live_line, parse_step, parse_throughput
 from ddp_train.launch.remote import LOST, RemoteError, Session, Stream, open_session
 
 EXIT_OK, EXIT_FAILED, EXIT_TIMEOUT = 0, 1, 124
@@ -587,6 +587,12 @@ class Job:
             verdict = f"stopped ({self.reason}){step}, checkpoint saved; the same command resumes from it"
         else:
             verdict = f"FAILED ({self.reason})"
+        speed = next((t for r in self.runs if (t := parse_throughput(self.log.tail(r.name)))), None)
+        if speed:  # issue 31: the wall-clock figure beside the compute-only one, so paused time shows
+            self.log.note(
+                f"throughput: {speed['wall_tokens_per_s']:.0f} tok/s wall-clock, "
+                f"{speed['tokens_per_s']:.0f} tok/s compute-only ({speed['steps']:.0f} steps, rank 0)"
+            )
         self.log.note(f"job {self.plan.job_id} {verdict} in {elapsed:.1f}s; logs: {self.log.dir}")
         self.log.write_json(
             "summary.json",
@@ -601,6 +607,7 @@ class Job:
                     "port": self.plan.master_port,
                 },
                 "first_failure": self.first.name if self.first else None,
+                "throughput": speed,
                 "leftover_processes": leftovers,
                 "nodes": [
                     {

@@ -17,6 +17,11 @@ STEP_LINE = re.compile(
     r"(\d+(?:\.\d+)?) s/step"
 )
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)? ")  # logs.py _stamp
+# rank 0's last line of a run (trainer.py _log_run_throughput): wall-clock beside compute-only tokens/s
+THROUGHPUT = re.compile(
+    r"ddp-train\[rank 0\] INFO throughput: (\d+) steps in (\d+(?:\.\d+)?)s wall: (\d+) tok/s wall-clock, "
+    r"(\d+) tok/s compute-only"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +46,21 @@ def parse_step(line: str) -> Step | None:
     except ValueError:
         loss = float("nan")
     return Step(int(m.group(1)), int(m.group(2)), int(m.group(3)), loss, float(m.group(5)), float(m.group(6)))
+
+
+def parse_throughput(lines: list[str]) -> dict[str, float] | None:
+    """The run's throughput from rank 0's last `throughput:` line among `lines`, or None."""
+    for line in reversed(lines):
+        m = THROUGHPUT.search(line)
+        if m:
+            steps, wall, wall_tok, tok = m.groups()
+            return {
+                "steps": int(steps),
+                "wall_s": float(wall),
+                "wall_tokens_per_s": float(wall_tok),
+                "tokens_per_s": float(tok),
+            }
+    return None
 
 
 def duration(seconds: float | None) -> str:
