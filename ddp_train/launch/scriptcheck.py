@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -158,6 +159,7 @@ class _File:
     parents: dict[ast.AST, ast.AST]
     nodes: list[ast.AST]  # the kinds the checks look at, in source order
     lines: list[str]
+    scopes: dict[ast.AST, ast.AST]  # each indexed node's function (or the module)
     flow: _Flow | None = None  # built on first use
 
 
@@ -168,6 +170,7 @@ class _Project:
         self.files: list[_File] = []
         self.seen: set[Path] = set()
         self.errors: list[Finding] = []
+        self.listings: dict[Path, set[str]] = {}
 
     def shown(self, path: Path) -> str:
         if self.base == Path("/"):
@@ -212,8 +215,8 @@ class _Project:
                 m = IGNORE.search(text)
                 if m:
                     ignores[i] = {c.strip() for c in m.group(1).split(",") if c.strip()}
-        parents, nodes = _index(tree)
-        return _File(path, shown, tree, ignores, parents, nodes, source.splitlines())
+        parents, nodes, scopes = _index(tree)
+        return _File(path, shown, tree, ignores, parents, nodes, source.splitlines(), scopes)
 
     def _imports(self, f: _File) -> list[Path]:
         found: list[Path] = []
@@ -241,6 +244,8 @@ class _Project:
         """The local files importing `name` runs: each package's __init__.py and the module itself."""
         parts = name.split(".")
         for base in bases:
+            if not self._listed(base) & {parts[0], f"{parts[0]}.py"}:
+                continue  # `import torch`: one directory listing, not a stat per path tried
             out = []
             for i in range(1, len(parts) + 1):
                 stem = base.joinpath(*parts[:i])
@@ -256,6 +261,14 @@ class _Project:
             if out:
                 return [p for p in out if self._inside(p)]
         return []
+
+    def _listed(self, base: Path) -> set[str]:
+        if base not in self.listings:
+            try:
+                self.listings[base] = set(os.listdir(base))
+            except OSError:
+                self.listings[base] = set()
+        return self.listings[base]
 
     def _inside(self, path: Path) -> bool:
         return any(path.is_relative_to(r) for r in self.roots)
@@ -326,7 +339,7 @@ class _Facts:
     saves: list[tuple[_File, ast.Call]] = dataclasses.field(default_factory=list)
     backends: list[tuple[Backend, ast.AST, _File]] = dataclasses.field(default_factory=list)
     inits: list[_Init] = dataclasses.field(default_factory=list)
-    spawns: list[tuple[_File, ast.Call, str]] = dataclasses.field(default_factory=list)  # (.., target)
+    spawns: list[tuple[_File, ast.Call, ast.AST]] = dataclasses.field(default_factory=list)  # (.., fn)
 
 
 INDEXED = (ast.Call, ast.Subscript, ast.JoinedStr, ast.Constant, ast.Assign, ast.Import, ast.ImportFrom,
@@ -334,28 +347,31 @@ INDEXED = (ast.Call, ast.Subscript, ast.JoinedStr, ast.Constant, ast.Assign, ast
            ast.FunctionDef, ast.AsyncFunctionDef)  # fmt: skip
 
 
-def _index(tree: ast.Module) -> tuple[dict[ast.AST, ast.AST], list[ast.AST]]:
-    """One pass over the tree (ast.walk is several times slower): every node's parent, and the nodes
-    the checks look at, in source order."""
+def _index(tree: ast.Module) -> tuple[dict[ast.AST, ast.AST], list[ast.AST], dict[ast.AST, ast.AST]]:
+    """One pass over the tree (ast.walk is several times slower): every node's parent, the nodes the
+    checks look at, in source order, and the function (or module) each of those is in."""
     parents: dict[ast.AST, ast.AST] = {}
     nodes: list[ast.AST] = []
-    stack: list[ast.AST] = [tree]
+    scopes: dict[ast.AST, ast.AST] = {}
+    stack: list[tuple[ast.AST, ast.AST]] = [(tree, tree)]
     while stack:
-        node = stack.pop()
+        node, scope = stack.pop()
         if isinstance(node, INDEXED):
             nodes.append(node)
+            scopes[node] = scope
+        inner = node if isinstance(node, SCOPES) else scope
         for field in node._fields:
             value = getattr(node, field, None)
             if isinstance(value, list):
                 for child in value:
                     if isinstance(child, ast.AST) and not isinstance(child, ast.expr_context):
                         parents[child] = node
-                        stack.append(child)
+                        stack.append((child, inner))
             elif isinstance(value, ast.AST) and not isinstance(value, ast.expr_context):
                 parents[value] = node
-                stack.append(value)
+                stack.append((value, inner))
     nodes.sort(key=lambda n: (n.lineno, n.col_offset))  # type: ignore[attr-defined]
-    return parents, nodes
+    return parents, nodes, scopes
 
 
 # ---- simple data flow within one file ---------------------------------------------------------------
@@ -382,6 +398,9 @@ class _Val:
 
 
 def _scope(f: _File, node: ast.AST) -> ast.AST:
+    known = f.scopes.get(node)
+    if known is not None:
+        return known
     cur = f.parents.get(node)
     while cur is not None and not isinstance(cur, SCOPES):
         cur = f.parents.get(cur)
@@ -642,12 +661,16 @@ def _index_kind(f: _File, index: ast.AST) -> str:
     if v is None:
         return "chosen"
     n = v.node
+    if isinstance(n, ast.Attribute) and n.attr == "index":  # device.index
+        return _index_kind(f, n.value)
     if _literal(n) and not _cuda_str(n):
         return "pinned" if not isinstance(n, ast.Constant) or isinstance(n.value, int) else "chosen"
     if isinstance(n, ast.Call) and _name(n.func) == "current_device":
         return "current"
     if isinstance(n, ast.Call) and _name(n.func) == "device" and n.args and _cuda_str(n.args[0]) == "cuda":
-        return "current" if len(n.args) == 1 and not n.keywords else "chosen"
+        named = [k.value for k in n.keywords if k.arg == "index"]
+        index = n.args[1] if len(n.args) > 1 else (named[0] if named else None)
+        return "current" if index is None else _index_kind(f, index)
     text = _cuda_str(n)
     if text:
         return "current" if text == "cuda" else "pinned"
@@ -747,9 +770,8 @@ def _spawn(f: _File, node: ast.Call, name: str, kw: dict, facts: _Facts) -> None
                 return
     if isinstance(fn, ast.Call) and _name(fn.func) == "partial" and fn.args:
         fn = fn.args[0]
-    target = _name(fn) if fn is not None else ""
-    if target and not _env_fallback(f, node):
-        facts.spawns.append((f, node, target))
+    if fn is not None and not _env_fallback(f, node):
+        facts.spawns.append((f, node, fn))
 
 
 def _init(f: _File, node: ast.Call, kw: dict, facts: _Facts) -> None:
@@ -811,8 +833,10 @@ def _init_findings(files: Sequence[_File], facts: _Facts) -> list[Finding]:
     """init-args, and spawn: a spawned function's index and arguments as rank and world size."""
     out = []
     spawned: dict[ast.AST, tuple[_File, ast.Call]] = {}  # function reached from a spawn -> the spawn
-    for f, node, target in facts.spawns:
-        reached, inits = _reach(files, target)
+    for f, node, fn in facts.spawns:
+        targets = _functions_passed(files, f, fn)
+        reached, inits = _reach(files, targets)
+        target = targets[0] if targets else _src(fn)
         if not inits:
             continue  # workers that never join a process group: not DDP's
         spawned.update({d: (f, node) for d in reached})
@@ -841,11 +865,32 @@ def _init_findings(files: Sequence[_File], facts: _Facts) -> list[Finding]:
     return out
 
 
-def _reach(files: Sequence[_File], target: str, depth: int = 4) -> tuple[set[ast.AST], bool]:
-    """The functions (by name, in any file read) that `target` runs, and whether one of them calls
+def _functions_passed(files: Sequence[_File], f: _File, fn: ast.AST) -> list[str]:
+    """The names of the functions `fn` (a spawn's target) stands for: its own name, or, when it is a
+    parameter (`def run_demo(demo_fn, n): mp.spawn(demo_fn, ...)`), what the callers pass there."""
+    v = _value(f, fn, _scope(f, fn), options=False)
+    if not _is_param(f, v):
+        return [_name(fn)] if _name(fn) else []
+    func = v.scope  # type: ignore[union-attr]
+    params = [a.arg for a in (*func.args.posonlyargs, *func.args.args)]  # type: ignore[attr-defined]
+    name = v.node.id  # type: ignore[union-attr]
+    pos = params.index(name) if name in params else -1
+    out = []
+    for g in files:
+        for c in g.nodes:
+            if _calls(c, func.name):  # type: ignore[attr-defined]
+                given = {k.arg: k.value for k in c.keywords}  # type: ignore[attr-defined]
+                arg = c.args[pos] if 0 <= pos < len(c.args) else given.get(name)  # type: ignore[attr-defined]
+                if arg is not None and _name(arg):
+                    out.append(_name(arg))
+    return out
+
+
+def _reach(files: Sequence[_File], targets: Sequence[str], depth: int = 4) -> tuple[set[ast.AST], bool]:
+    """The functions (by name, in any file read) that `targets` run, and whether one of them calls
     init_process_group."""
     seen: set[ast.AST] = set()
-    frontier, inits = {target}, False
+    frontier, inits = set(targets), False
     for _ in range(depth):
         nxt: set[str] = set()
         for g in files:
