@@ -490,7 +490,7 @@ def _value(f: _File, node: ast.AST, scope: ast.AST, options: bool = True, depth:
             default, line, flag = fl.options[node.attr]
             if default is None:
                 return None
-            node, scope, via = default, f.tree, (*via, f"{flag} (line {line})")
+            node, scope, via = default, f.tree, (*via, f"{flag} at line {line}")
         else:
             return _Val(node, scope, via)
     return None
@@ -796,7 +796,8 @@ def _init(f: _File, node: ast.Call, kw: dict, facts: _Facts) -> None:
             via: list[str] = []
             text = _text(f, value, scope, via)
             if text is not None and _fixed_address(text):
-                bad.append(shown if isinstance(value, ast.Constant) else f"{shown} ({_origin(text, via)})")
+                written = isinstance(value, ast.Constant)
+                bad.append(shown if written else f"{shown} ({_origin(repr(text), via)})")
                 options += via
             continue
         v = _value(f, value, scope)
@@ -825,7 +826,7 @@ def _fixed_address(text: str) -> bool:
 
 def _origin(value: str, via: Sequence[str]) -> str:
     if via:
-        return f"the argparse default {value} of {', '.join(dict.fromkeys(via))}"
+        return f"= {value}, the argparse default of {', '.join(dict.fromkeys(via))}"
     return f"= {value}"
 
 
@@ -851,11 +852,11 @@ def _init_findings(files: Sequence[_File], facts: _Facts) -> list[Finding]:
         spawn_at = [spawned[s] for _, s in init.params if s in spawned]
         if spawn_at:
             line = spawn_at[0][1].lineno
-            bad.append(f"{', '.join(p for p, s in init.params if s in spawned)} (from the spawn at line "
-                       f"{line}: numbered within one node)")  # fmt: skip
+            bad.append(f"{', '.join(p for p, s in init.params if s in spawned)} (the spawn's process index "
+                       f"and arguments, line {line}: one node's numbering)")  # fmt: skip
         if not bad:
             continue
-        drop = sorted({o.split(" (")[0] for o in init.options})
+        drop = sorted({o.split(" at line")[0] for o in init.options})
         tail = f", which makes {', '.join(drop)} unnecessary" if drop else ""
         out.append(Finding(init.file.shown, init.node.lineno, "init-args", (
             f"init_process_group hard-codes {', '.join(bad)}, so under a launcher every process believes "
@@ -964,7 +965,7 @@ def _save_findings(files: Sequence[_File], facts: _Facts) -> list[Finding]:
             continue
         if guard:
             out.append(Finding(f.shown, node.lineno, "save-rank", (
-                f"torch.save is guarded by a rank within the node ({guard[1]}), so it runs once per node, "
+                f"torch.save is guarded by {guard[1]}, a rank within the node, so it runs once per node, "
                 "not once per job: on a shared filesystem every node writes the same file at once (a torn "
                 "or clobbered checkpoint), on node-local disks each node keeps its own copy; guard it with "
                 "the global rank: `if dist.get_rank() == 0:` (or int(os.environ['RANK']) == "
@@ -984,9 +985,9 @@ def _guard(f: _File, node: ast.AST, files: Sequence[_File], depth: int) -> tuple
     cur = f.parents.get(node)
     while cur is not None:
         if isinstance(cur, (ast.If, ast.IfExp)):
-            kind = _rank_kind(files, f, cur.test, _scope(f, cur))
+            kind = _guard_test(files, f, cur.test, _scope(f, cur))
             if kind:
-                return kind, _src(cur.test)
+                return kind
         if isinstance(cur, (ast.FunctionDef, ast.AsyncFunctionDef)):
             early = _early_return(files, f, cur, child)
             if early:
@@ -1008,20 +1009,38 @@ def _rank_kind(files: Sequence[_File], f: _File, expr: ast.AST, scope: ast.AST, 
     """Whether `expr` tests the global rank ("global"), a rank within the node ("local": LOCAL_RANK,
     a GPU index, `rank % gpus_per_node`), or no rank (None). Names are followed as in _value,
     attributes (`self.rank`) through what the files assign to them."""
-    kinds: set[str] = set()
+    kinds = {kind for kind, _ in _rank_parts(files, f, expr, scope, depth)}
+    return "global" if "global" in kinds else ("local" if kinds else None)
+
+
+def _rank_parts(
+    files: Sequence[_File], f: _File, expr: ast.AST, scope: ast.AST, depth: int = 3
+) -> list[tuple[str, ast.AST]]:
+    """The parts of `expr` that are a rank, each with its kind, in source order."""
+    parts: list[tuple[str, ast.AST]] = []
     stack = [expr]
     while stack:
         n = stack.pop()
         mod = isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod)
         if mod and _rank_kind(files, f, n.left, scope, depth):  # type: ignore[attr-defined]
-            kinds.add("local")  # rank % gpus_per_node
+            parts.append(("local", n))  # rank % gpus_per_node
             continue
         kind = _ident_kind(files, f, n, scope, depth)
         if kind:
-            kinds.add(kind)
+            parts.append((kind, n))
             continue
-        stack.extend(ast.iter_child_nodes(n))
-    return "global" if "global" in kinds else ("local" if kinds else None)
+        stack.extend(reversed(list(ast.iter_child_nodes(n))))
+    return parts
+
+
+def _guard_test(files: Sequence[_File], f: _File, test: ast.AST, scope: ast.AST) -> tuple[str, str] | None:
+    """("global" | "local", the part of the test that is the rank) for a test on a rank, else None."""
+    parts = _rank_parts(files, f, test, scope)
+    for kind in ("global", "local"):
+        part = next((n for k, n in parts if k == kind), None)
+        if part is not None:
+            return kind, _src(part)
+    return None
 
 
 def _ident_kind(files: Sequence[_File], f: _File, n: ast.AST, scope: ast.AST, depth: int) -> str | None:
@@ -1072,7 +1091,7 @@ def _early_return(files: Sequence[_File], f: _File, func: ast.AST, stmt: ast.AST
             return None
         leaves = isinstance(s, ast.If) and any(isinstance(b, (ast.Return, ast.Raise)) for b in s.body)
         if leaves:
-            kind = _rank_kind(files, f, s.test, func)  # type: ignore[attr-defined]
+            kind = _guard_test(files, f, s.test, func)  # type: ignore[attr-defined]
             if kind:
-                return kind, _src(s.test)  # type: ignore[attr-defined]
+                return kind
     return None
