@@ -347,6 +347,15 @@ INDEXED = (ast.Call, ast.Subscript, ast.JoinedStr, ast.Constant, ast.Assign, ast
            ast.FunctionDef, ast.AsyncFunctionDef)  # fmt: skip
 
 
+_INDEXED = frozenset(INDEXED)
+_SCOPES = frozenset(SCOPES)
+_LEAVES = frozenset((ast.Constant, ast.Name))
+# fields that never hold a node the checks need: names, operators, contexts, flags
+_NOT_NODES = frozenset(("ctx", "id", "attr", "arg", "name", "op", "ops", "type_comment", "kind",
+                        "conversion", "level", "module", "is_async", "simple"))  # fmt: skip
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
 def _index(tree: ast.Module) -> tuple[dict[ast.AST, ast.AST], list[ast.AST], dict[ast.AST, ast.AST]]:
     """One pass over the tree (ast.walk is several times slower): every node's parent, the nodes the
     checks look at, in source order, and the function (or module) each of those is in."""
@@ -354,20 +363,26 @@ def _index(tree: ast.Module) -> tuple[dict[ast.AST, ast.AST], list[ast.AST], dic
     nodes: list[ast.AST] = []
     scopes: dict[ast.AST, ast.AST] = {}
     stack: list[tuple[ast.AST, ast.AST]] = [(tree, tree)]
+    AST = ast.AST
     while stack:
         node, scope = stack.pop()
-        if isinstance(node, INDEXED):
+        cls = type(node)
+        if cls in _INDEXED:
             nodes.append(node)
             scopes[node] = scope
-        inner = node if isinstance(node, SCOPES) else scope
-        for field in node._fields:
+        inner = node if cls in _SCOPES else scope
+        fields = _FIELDS.get(cls)
+        if fields is None:
+            fields = () if cls in _LEAVES else tuple(f for f in cls._fields if f not in _NOT_NODES)
+            _FIELDS[cls] = fields
+        for field in fields:
             value = getattr(node, field, None)
-            if isinstance(value, list):
+            if value.__class__ is list:
                 for child in value:
-                    if isinstance(child, ast.AST) and not isinstance(child, ast.expr_context):
+                    if isinstance(child, AST):
                         parents[child] = node
                         stack.append((child, inner))
-            elif isinstance(value, ast.AST) and not isinstance(value, ast.expr_context):
+            elif isinstance(value, AST):
                 parents[value] = node
                 stack.append((value, inner))
     nodes.sort(key=lambda n: (n.lineno, n.col_offset))  # type: ignore[attr-defined]
@@ -677,8 +692,15 @@ def _index_kind(f: _File, index: ast.AST) -> str:
     return "chosen"
 
 
+CALLS = frozenset(("init_process_group", "add_argument", "get", "getenv", "set_device", "set_device_index",
+                   "current_device", "cuda", "to", "device", "DistributedSampler", "set_epoch", "DataLoader",
+                   "save", "spawn", "start_processes", "Process"))  # fmt: skip
+
+
 def _call(f: _File, node: ast.Call, facts: _Facts) -> None:
     name = _name(node.func)
+    if not node.keywords and name not in CALLS:
+        return
     kw = {k.arg: k.value for k in node.keywords if k.arg}
     if name == "init_process_group":
         _init(f, node, kw, facts)
