@@ -982,6 +982,8 @@ def _save_findings(files: Sequence[_File], facts: _Facts) -> list[Finding]:
         target = node.args[1] if len(node.args) > 1 else (named[0] if named else None)
         if target is not None and RANK_WORDS.search(ast.unparse(target)):
             continue  # one file per rank: not the same file
+        if target is not None and _in_memory(f, target):
+            continue  # torch.save(obj, io.BytesIO()): no file at all
         guard = _guard(f, node, files, depth=3)
         if guard and guard[0] == "global":
             continue
@@ -998,6 +1000,12 @@ def _save_findings(files: Sequence[_File], facts: _Facts) -> list[Finding]:
             "clobbered checkpoint); save on one rank: `if dist.get_rank() == 0: torch.save(...)`, then "
             "dist.barrier() before the others read it")))  # fmt: skip
     return out
+
+
+def _in_memory(f: _File, target: ast.AST) -> bool:
+    v = _value(f, target, _scope(f, target), options=False)
+    buffers = ("BytesIO", "SpooledTemporaryFile")
+    return v is not None and isinstance(v.node, ast.Call) and _name(v.node.func) in buffers
 
 
 def _guard(f: _File, node: ast.AST, files: Sequence[_File], depth: int) -> tuple[str, str] | None:
