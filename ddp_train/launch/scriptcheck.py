@@ -56,6 +56,8 @@ RANK_CALLS = {"get_rank": "global", "get_global_rank": "global", "get_local_rank
 # what torchrun sets for each process: a script that assigns one overrides it
 LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+TORCHRUN_VARS = frozenset((*LAUNCH_ENV, "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID"))
+OTHER_LAUNCHERS = frozenset((*MPI_ENV, "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_NODEID"))
 CUDA_LITERAL = re.compile(r"^cuda(:\d+)?$")
 # init_process_group(backend, init_method, timeout, world_size, rank, ...)
 INIT_POSITIONS = {1: "init_method", 3: "world_size", 4: "rank"}
@@ -160,6 +162,7 @@ class _File:
     nodes: list[ast.AST]  # the kinds the checks look at, in source order
     lines: list[str]
     scopes: dict[ast.AST, ast.AST]  # each indexed node's function (or the module)
+    source: str
     flow: _Flow | None = None  # built on first use
 
 
@@ -216,7 +219,7 @@ class _Project:
                 if m:
                     ignores[i] = {c.strip() for c in m.group(1).split(",") if c.strip()}
         parents, nodes, scopes = _index(tree)
-        return _File(path, shown, tree, ignores, parents, nodes, source.splitlines(), scopes)
+        return _File(path, shown, tree, ignores, parents, nodes, source.splitlines(), scopes, source)
 
     def _imports(self, f: _File) -> list[Path]:
         found: list[Path] = []
@@ -281,6 +284,7 @@ class _Project:
             _collect(f, facts)
         found = list(self.errors) + facts.findings
         found += _init_findings(self.files, facts)
+        found += _local_rank_findings(self.files, facts)
         found += _cuda_findings(facts)
         if facts.samplers and not facts.set_epoch:
             f, node = facts.samplers[0]
@@ -339,6 +343,7 @@ class _Facts:
     saves: list[tuple[_File, ast.Call]] = dataclasses.field(default_factory=list)
     backends: list[tuple[Backend, ast.AST, _File]] = dataclasses.field(default_factory=list)
     inits: list[_Init] = dataclasses.field(default_factory=list)
+    local_rank_options: list[tuple[_File, ast.Call, str, str]] = dataclasses.field(default_factory=list)
     spawns: list[tuple[_File, ast.Call, ast.AST]] = dataclasses.field(default_factory=list)  # (.., fn)
 
 
@@ -622,6 +627,8 @@ def _mpi(f: _File, node: ast.AST, var: str, facts: _Facts) -> None:
     stmt = _statement(f, node)
     if any(s in TORCHRUN_ENV for s in _strings(stmt)):  # a fallback after torchrun's own variable
         return
+    if _env_fallback(f, node):  # the branch for mpirun, next to the one for torchrun
+        return
     want = MPI_ENV[var]
     facts.findings.append(Finding(f.shown, node.lineno, "mpi-env", (
         f"{var} is mpirun's variable and torchrun does not set it, so this read fails or gets the "
@@ -636,14 +643,35 @@ def _statement(f: _File, node: ast.AST) -> ast.AST:
 
 
 def _env_fallback(f: _File, node: ast.AST) -> bool:
-    """Inside an `if` that tests the launcher's environment (`if "RANK" not in os.environ:`): the
-    single-process or single-node fallback of a script that also runs under torchrun."""
-    cur = f.parents.get(node)
+    """In a branch that does not run under torchrun, or is meant for running without it: any branch of
+    an if/elif chain that tests torchrun's variables (`if "RANK" not in os.environ:`, or
+    `if args.dist_on_itp: ... elif "RANK" in os.environ:`), or the body of an `if` on another
+    launcher's variable (`if "SLURM_PROCID" in os.environ:`)."""
+    child, cur = node, f.parents.get(node)
     while cur is not None:
-        if isinstance(cur, (ast.If, ast.IfExp)) and _strings(cur.test) & {*LAUNCH_ENV, *TORCHRUN_ENV}:
+        if isinstance(cur, ast.If):
+            if any(_strings(t) & TORCHRUN_VARS for t in _if_chain(f, cur)):
+                return True
+            if child in cur.body and _strings(cur.test) & OTHER_LAUNCHERS:
+                return True
+        elif isinstance(cur, ast.IfExp) and _strings(cur.test) & (TORCHRUN_VARS | OTHER_LAUNCHERS):
             return True
-        cur = f.parents.get(cur)
+        child, cur = cur, f.parents.get(cur)
     return False
+
+
+def _if_chain(f: _File, node: ast.If) -> list[ast.AST]:
+    """The tests of the whole if/elif chain `node` is part of."""
+    head = node
+    parent = f.parents.get(head)
+    while isinstance(parent, ast.If) and parent.orelse == [head]:
+        head, parent = parent, f.parents.get(parent)
+    tests: list[ast.AST] = []
+    cur: ast.AST | None = head
+    while isinstance(cur, ast.If):
+        tests.append(cur.test)
+        cur = cur.orelse[0] if len(cur.orelse) == 1 else None
+    return tests
 
 
 ENV_EFFECT = {
@@ -709,11 +737,7 @@ def _call(f: _File, node: ast.Call, facts: _Facts) -> None:
         hit = next((x for x in flags if x in ("--local_rank", "--local-rank")), None)
         default = kw.get("default", ast.Constant(None))
         if hit and "LOCAL_RANK" not in _strings(default):
-            facts.findings.append(Finding(f.shown, node.lineno, "local-rank-arg", (
-                f"the argparse option {hit} is never passed by torchrun (it sets LOCAL_RANK in the "
-                f"environment), so every process gets the default ({_src(default)}) and the same GPU; read "
-                "int(os.environ['LOCAL_RANK']) and drop the option (or keep it with "
-                "default=int(os.environ.get('LOCAL_RANK', 0)))")))  # fmt: skip
+            facts.local_rank_options.append((f, node, hit, _src(default)))
     elif name in ("get", "getenv") and node.args:
         key = node.args[0]
         on_env = name == "getenv" or (isinstance(node.func, ast.Attribute) and _is_environ(node.func.value))
@@ -794,6 +818,27 @@ def _spawn(f: _File, node: ast.Call, name: str, kw: dict, facts: _Facts) -> None
         fn = fn.args[0]
     if fn is not None and not _env_fallback(f, node):
         facts.spawns.append((f, node, fn))
+
+
+LOCAL_RANK_READ = re.compile(r"\.local_rank\b(?!\s*=[^=])")
+LOCAL_RANK_SET = re.compile(r"(?<!self)\.local_rank\s*=(?!=)")
+
+
+def _local_rank_findings(files: Sequence[_File], facts: _Facts) -> list[Finding]:
+    """An argparse --local_rank whose value is read (`args.local_rank`) and never set from the
+    environment by the files read (`args.local_rank = int(os.environ["LOCAL_RANK"])` in a helper)."""
+    out = []
+    for f, node, flag, default in facts.local_rank_options:
+        sources = [g.source for g in files if "local_rank" in g.source]
+        read = any(LOCAL_RANK_READ.search(s) for s in sources)
+        if not read or any(LOCAL_RANK_SET.search(s) for s in sources):
+            continue  # never read, or set from the environment by a helper
+        out.append(Finding(f.shown, node.lineno, "local-rank-arg", (
+            f"the argparse option {flag} is never passed by torchrun (it sets LOCAL_RANK in the "
+            f"environment), so every process gets the default ({default}) and the same GPU; read "
+            "int(os.environ['LOCAL_RANK']) and drop the option (or keep it with "
+            "default=int(os.environ.get('LOCAL_RANK', 0)))")))  # fmt: skip
+    return out
 
 
 def _init(f: _File, node: ast.Call, kw: dict, facts: _Facts) -> None:
@@ -985,7 +1030,7 @@ def _save_findings(files: Sequence[_File], facts: _Facts) -> list[Finding]:
         if target is not None and _in_memory(f, target):
             continue  # torch.save(obj, io.BytesIO()): no file at all
         guard = _guard(f, node, files, depth=3)
-        if guard and guard[0] == "global":
+        if guard and guard[0] in ("global", "never"):
             continue
         if guard:
             out.append(Finding(f.shown, node.lineno, "save-rank", (
@@ -1025,7 +1070,13 @@ def _guard(f: _File, node: ast.AST, files: Sequence[_File], depth: int) -> tuple
             if depth <= 0:
                 return None
             calls = [(g, c) for g in files for c in g.nodes if _calls(c, cur.name)]
+            if not calls and not cur.name.startswith("__") and not _referenced(files, cur.name):
+                return "never", ""  # nothing in the files read calls it or passes it on
             guards = [_guard(g, c, files, depth - 1) for g, c in calls]
+            owner = f.parents.get(cur)
+            if (not guards or None in guards) and isinstance(owner, ast.ClassDef):
+                made = [(g, c) for g in files for c in g.nodes if _calls(c, owner.name)]
+                guards = [_guard(g, c, files, depth - 1) for g, c in made]  # objects made on one rank
             if not guards or None in guards:
                 return None
             return next((g for g in guards if g and g[0] == "local"), guards[0])
@@ -1033,6 +1084,26 @@ def _guard(f: _File, node: ast.AST, files: Sequence[_File], depth: int) -> tuple
             child = cur
         cur = f.parents.get(cur)
     return None
+
+
+def _referenced(files: Sequence[_File], name: str) -> bool:
+    """`name` is used other than by its `def`, an import or a string (`__all__`): passed as a
+    callback, registered, stored."""
+    word = re.compile(rf"(?<!['\"])\b{re.escape(name)}\b(?!['\"])")
+    defined = re.compile(rf"^\s*(async\s+)?def\s+{re.escape(name)}\b")
+    for g in files:
+        if name not in g.source:
+            continue
+        imports = {
+            i
+            for n in g.nodes
+            if isinstance(n, (ast.Import, ast.ImportFrom))
+            for i in range(n.lineno, (n.end_lineno or n.lineno) + 1)
+        }
+        for i, line in enumerate(g.lines, 1):
+            if i not in imports and word.search(line) and not defined.match(line):
+                return True
+    return False
 
 
 def _rank_kind(files: Sequence[_File], f: _File, expr: ast.AST, scope: ast.AST, depth: int = 3) -> str | None:

@@ -124,9 +124,11 @@ CASES = {
     "init-args fstring": ("init-args", "import torch.distributed as dist\nport = 1\n"
                           "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}')\n", 3),
     "local-rank": ("local-rank-arg", "import argparse\np = argparse.ArgumentParser()\n"
-                   "p.add_argument('--local_rank', type=int, default=0)\n", 3),
+                   "p.add_argument('--local_rank', type=int, default=0)\n"
+                   "lr = p.parse_args().local_rank\n", 3),
     "local-rank dash": ("local-rank-arg", "import argparse\np = argparse.ArgumentParser()\n"
-                        "p.add_argument('--local-rank', type=int)\n", 3),
+                        "p.add_argument('--local-rank', type=int)\nargs = p.parse_args()\n"
+                        "print(args.local_rank)\n", 3),
     "mpi subscript": ("mpi-env", "import os\nrank = int(os.environ['OMPI_COMM_WORLD_RANK'])\n", 2),
     "mpi get": ("mpi-env", "import os\n\nsize = int(os.environ.get('PMI_SIZE', 1))\n", 3),
     "pmix getenv": ("mpi-env", "import os\nr = os.getenv('PMIX_RANK')\n", 2),

@@ -114,20 +114,23 @@ def test_the_seed_script_gets_both_of_its_mistakes(capsys: pytest.CaptureFixture
 
 def test_the_corpus_is_checked_in_under_2s_and_at_most_4x_parsing_it() -> None:
     """Baseline in the same run: reading and parsing the same files with ast.parse, the least any
-    ast-based check must do. Best of 5 of each, interleaved, so a busy machine slows both alike."""
+    ast-based check must do. CPU time of this process, best of 7 of each, interleaved, so that other
+    work on a shared machine slows neither side more than the other; the wall time of the check
+    must stay under 2 s."""
     files = sorted(CORPUS.rglob("*.py"))
     scripts = [s for _, s in entries()]
-    parse, took = [], []
-    for _ in range(5):
-        start = time.perf_counter()
+    parse, took, wall = [], [], []
+    for _ in range(7):
+        start = time.process_time()
         for path in files:
             ast.parse(path.read_text(), str(path))
-        parse.append(time.perf_counter() - start)
-        start = time.perf_counter()
+        parse.append(time.process_time() - start)
+        start, start_wall = time.process_time(), time.perf_counter()
         for script in scripts:
             check_entry(script)
-        took.append(time.perf_counter() - start)
+        took.append(time.process_time() - start)
+        wall.append(time.perf_counter() - start_wall)
     ratio = min(took) / min(parse)
-    print(f"\n{len(files)} files: check {min(took) * 1000:.1f} ms, ast.parse {min(parse) * 1000:.1f} ms, "
-          f"ratio {ratio:.2f}")  # fmt: skip
-    assert min(took) < 2.0 and ratio <= 4.0, f"check {min(took):.3f}s, parse {min(parse):.3f}s"
+    print(f"\n{len(files)} files: check {min(took) * 1000:.1f} ms CPU ({min(wall) * 1000:.1f} ms wall), "
+          f"ast.parse {min(parse) * 1000:.1f} ms CPU, ratio {ratio:.2f}")  # fmt: skip
+    assert min(wall) < 2.0 and ratio <= 4.0, f"check {min(took):.3f}s, parse {min(parse):.3f}s"
