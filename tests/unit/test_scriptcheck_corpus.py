@@ -134,3 +134,27 @@ def test_the_corpus_is_checked_in_under_2s_and_at_most_4x_parsing_it() -> None:
     print(f"\n{len(files)} files: check {min(took) * 1000:.1f} ms CPU ({min(wall) * 1000:.1f} ms wall), "
           f"ast.parse {min(parse) * 1000:.1f} ms CPU, ratio {ratio:.2f}")  # fmt: skip
     assert min(wall) < 2.0 and ratio <= 4.0, f"check {min(took):.3f}s, parse {min(parse):.3f}s"
+
+
+@pytest.mark.parametrize(
+    ("entry", "code", "says"),
+    [
+        ("03_tutorial_multinode_local_rank.py", "save-rank", ["self.local_rank, a rank within the node",
+                                                              "once per node", "shared filesystem"]),
+        ("28_save_every_rank.py", "save-rank", ["runs on every rank"]),
+        ("05_imagenet_style_spawn.py", "init-args", ["'tcp://224.66.41.62:23456'", "--dist-url at line 39",
+                                                     "makes --dist-url unnecessary"]),
+        ("05_imagenet_style_spawn.py", "save-rank", ["args.rank % ngpus_per_node", "once per node"]),
+        ("01_tutorial_spawn_multigpu.py", "spawn", ["mp.spawn(main, ...)", "drop the spawn",
+                                                    "read LOCAL_RANK, RANK and WORLD_SIZE"]),
+        ("01_tutorial_spawn_multigpu.py", "init-args", ["rank=rank", "the spawn's process index"]),
+        ("21_mp_process_gloo.py", "env-set", ["os.environ['MASTER_ADDR'] = '127.0.0.1'", "delete the line"]),
+        ("24_world_size_device_count.py", "init-args", ["world_size=num_gpus",
+                                                        "this node's GPUs, not the job's processes"]),
+        ("08_module_constants.py", "init-args", ["init_method=MASTER_URL (= 'tcp://10.1.0.5:23456')"]),
+    ],
+)  # fmt: skip
+def test_each_message_says_what_really_happens(entry: str, code: str, says: list[str]) -> None:
+    """The value that made the finding, where it came from, and the consequence in words."""
+    messages = [f.message for f in check_entry(CORPUS / entry).findings if f.code == code]
+    assert messages and all(any(s in m for m in messages) for s in says), messages
