@@ -338,6 +338,7 @@ class _Facts:
     cuda_uses: list[tuple[_File, ast.AST, str]] = dataclasses.field(default_factory=list)
     pinned: list[tuple[_File, ast.AST, str]] = dataclasses.field(default_factory=list)  # literal index
     device_choice: bool = False
+    one_gpu_each: bool = False  # CUDA_VISIBLE_DEVICES set per process: GPU 0 is the process's own
     samplers: list[tuple[_File, ast.AST]] = dataclasses.field(default_factory=list)
     set_epoch: bool = False
     saves: list[tuple[_File, ast.Call]] = dataclasses.field(default_factory=list)
@@ -613,6 +614,10 @@ def _collect(f: _File, facts: _Facts) -> None:
             for target in node.targets:
                 if isinstance(target, ast.Subscript) and _is_environ(target.value):
                     _env_set(f, node, target, facts)
+                    key = target.slice
+                    if isinstance(key, ast.Constant) and key.value == "CUDA_VISIBLE_DEVICES":
+                        # one GPU visible per process (from LOCAL_RANK): "cuda", cuda:0 are its own GPU
+                        facts.one_gpu_each = facts.one_gpu_each or not _literal(node.value)
 
 
 def _is_environ(node: ast.AST) -> bool:
@@ -760,6 +765,9 @@ def _call(f: _File, node: ast.Call, facts: _Facts) -> None:
         target = node.args[0] if node.args else kw.get("device")
         if _cuda_str(target):
             _cuda_use(f, node, _cuda_str(target) or "cuda", facts, _src(node))
+    elif name == "device" and node.args and _src(node.func).endswith("cuda.device"):
+        if _index_kind(f, node.args[0]) == "chosen":  # with torch.cuda.device(local_rank):
+            facts.device_choice = True
     elif name == "device" and node.args and _cuda_str(node.args[0]):
         if len(node.args) > 1 or "index" in kw:
             kind = _index_kind(f, node.args[1] if len(node.args) > 1 else kw["index"])
@@ -985,6 +993,8 @@ def _cuda_use(f: _File, node: ast.AST, text: str, facts: _Facts, shown: str) -> 
 
 def _cuda_findings(facts: _Facts) -> list[Finding]:
     out = []
+    if facts.one_gpu_each:
+        return []
     uses = [(f, n, s) for f, n, s in facts.cuda_uses if not _ignored_node(f, n, "cuda-device")]
     if uses and not facts.device_choice:
         f, node, shown = uses[0]

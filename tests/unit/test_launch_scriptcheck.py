@@ -195,9 +195,15 @@ def test_a_clean_script_has_no_finding(tmp_path: Path) -> None:
         "import torch\n\n\ndef save(m):\n    torch.save(m, 'c.pt')\n\n\n"
         "rank = 0\nif rank == 0:\n    save(1)\n",
         "import torch\nrank = 0\ntorch.save({}, f'ckpt-rank{rank}.pt')\n",
+        "import os, torch\nlr = int(os.environ['LOCAL_RANK'])\nwith torch.cuda.device(lr):\n"
+        "    m = torch.nn.Linear(2, 2).cuda()\n",
+        "import os\nos.environ['CUDA_VISIBLE_DEVICES'] = os.environ['LOCAL_RANK']\nimport torch\n"
+        "m = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2).cuda(), device_ids=[0])\n",
+        "import io, torch\nbuf = io.BytesIO()\ntorch.save({}, buf)\n",
     ],
     ids=["local_rank-default-from-env", "mpi-as-fallback", "fstring-device", "cuda-index", "env-init",
-         "default-minus-one", "no-shuffle", "early-return", "guarded-caller", "file-per-rank"],
+         "default-minus-one", "no-shuffle", "early-return", "guarded-caller", "file-per-rank",
+         "cuda-device-context", "visible-devices-per-process", "in-memory-save"],
 )  # fmt: skip
 def test_the_right_way_of_each_is_not_a_finding(text: str, tmp_path: Path) -> None:
     check = check_script(write(tmp_path, {"train.py": text}))
