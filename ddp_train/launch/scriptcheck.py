@@ -540,7 +540,25 @@ def _text(f: _File, node: ast.AST, scope: ast.AST, via: list[str], depth: int = 
         return None if left is None and right is None else (left or "{?}") + (right or "{?}")
     if isinstance(n, ast.Call) and _name(n.func) == "str" and len(n.args) == 1:
         return _text(f, n.args[0], v.scope, via, depth - 1)
-    return None
+    fmt, args = None, []
+    if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "format":
+        fmt, args, slot = n.func.value, n.args, r"\{(\d*)\}"  # "tcp://{}:{}".format(host, port)
+    elif isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod):
+        fmt, slot = n.left, r"%()[sd]"  # "tcp://%s:%d" % (host, port)
+        args = n.right.elts if isinstance(n.right, ast.Tuple) else [n.right]
+    if fmt is None:
+        return None
+    template = _text(f, fmt, v.scope, via, depth - 1)
+    if template is None or any(isinstance(a, ast.Starred) for a in args):
+        return None
+    values = [_text(f, a, v.scope, via, depth - 1) or "{?}" for a in args]
+    counter = iter(range(len(values)))
+
+    def fill(m: re.Match) -> str:
+        i = int(m.group(1)) if m.group(1) else next(counter, len(values))
+        return values[i] if i < len(values) else "{?}"
+
+    return re.sub(slot, fill, template)
 
 
 def _is_param(f: _File, v: _Val | None) -> bool:
