@@ -966,6 +966,8 @@ def _functions_passed(files: Sequence[_File], f: _File, fn: ast.AST) -> list[str
     if not _is_param(f, v):
         return [_name(fn)] if _name(fn) else []
     func = v.scope  # type: ignore[union-attr]
+    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return []  # a lambda's parameter
     params = [a.arg for a in (*func.args.posonlyargs, *func.args.args)]  # type: ignore[attr-defined]
     name = v.node.id  # type: ignore[union-attr]
     pos = params.index(name) if name in params else -1
