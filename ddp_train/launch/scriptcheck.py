@@ -491,8 +491,8 @@ def _value(f: _File, node: ast.AST, scope: ast.AST, options: bool = True, depth:
     via: tuple[str, ...] = ()
     for _ in range(depth):
         if isinstance(node, ast.Name):
-            if (scope, node.id) in fl.params:
-                return _Val(node, scope, via)
+            if (scope, node.id) in fl.params:  # the caller's value, unless the function assigns it
+                return None if (scope, node.id) in fl.names else _Val(node, scope, via)
             values = fl.names.get((scope, node.id))
             if values is None and scope is not f.tree:
                 scope, values = f.tree, fl.names.get((f.tree, node.id))

@@ -158,3 +158,32 @@ def test_each_message_says_what_really_happens(entry: str, code: str, says: list
     """The value that made the finding, where it came from, and the consequence in words."""
     messages = [f.message for f in check_entry(CORPUS / entry).findings if f.code == code]
     assert messages and all(any(s in m for m in messages) for s in says), messages
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        ({"train.py": "import torch.distributed as dist\nimport sys\nif sys.argv[1:]:\n"
+                      "    url = 'tcp://10.0.0.1:1234'\nelse:\n    url = 'env://'\n"
+                      "dist.init_process_group('gloo', init_method=url)\n"}, []),
+        ({"train.py": "import torch.distributed as dist\nfrom config import URL\n"
+                      "dist.init_process_group('gloo', init_method=URL)\n",
+          "config.py": "URL = 'tcp://10.0.0.1:1234'\n"}, []),
+        ({"train.py": "import os\nimport torch.distributed as dist\nimport torch.multiprocessing as mp\n\n\n"
+                      "def worker(rank, n):\n    rank = int(os.environ.get('RANK', rank))\n"
+                      "    ws = int(os.environ['WORLD_SIZE'])\n"
+                      "    dist.init_process_group('gloo', rank=rank, world_size=ws)\n\n\n"
+                      "mp.spawn(worker, args=(2,), nprocs=2)\n"}, [("spawn", 12)]),
+        ({"train.py": "import torch.distributed as dist\nURL = 'tcp://10.0.0.1:1234'\n\n\ndef setup():\n"
+                      "    url = URL\n    dist.init_process_group('gloo', init_method=url)\n"},
+         [("init-args", 7)]),
+    ],
+    ids=["assigned-twice", "other-module", "parameter-reassigned", "chain-to-module-constant"],
+)  # fmt: skip
+def test_what_the_values_are_followed_through(files: dict[str, str], expected: list, tmp_path: Path) -> None:
+    """One-assignment chains and module constants are followed; a name with two values, another
+    module's constant and a parameter the function overwrites are not (no finding, never a guess)."""
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    check = check_script(tmp_path / "train.py")
+    assert [(f.code, f.line) for f in check.findings] == expected, [str(f) for f in check.findings]
