@@ -776,7 +776,7 @@ def _call(f: _File, node: ast.Call, facts: _Facts) -> None:
         if index is None:
             _cuda_use(f, node, "cuda", facts, f"{_src(node.func)}()")
         elif kind == "pinned":
-            facts.pinned.append((f, node, f"{_src(node)}"))
+            facts.pinned.append((f, node, f"{_src(node)}{_resolved(f, index)}"))
         elif kind == "chosen":
             facts.device_choice = True
     elif name == "to" and isinstance(node.func, ast.Attribute):
@@ -825,6 +825,12 @@ def _call(f: _File, node: ast.Call, facts: _Facts) -> None:
         elif "chosen" in kinds:
             facts.device_choice = True
         # "current": torch.cuda.current_device() is a CUDA use of its own, GPU 0 until a choice
+
+
+def _resolved(f: _File, node: ast.AST) -> str:
+    """` with GPU = 0` when `node` is a name standing for a literal, else nothing."""
+    v = _value(f, node, _scope(f, node), options=False)
+    return f" with {_src(node)} = {_src(v.node)}" if v is not None and v.node is not node else ""
 
 
 def _spawn(f: _File, node: ast.Call, name: str, kw: dict, facts: _Facts) -> None:

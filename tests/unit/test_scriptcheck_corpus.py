@@ -152,6 +152,9 @@ def test_the_corpus_is_checked_in_under_2s_and_at_most_4x_parsing_it() -> None:
         ("24_world_size_device_count.py", "init-args", ["world_size=num_gpus",
                                                         "this node's GPUs, not the job's processes"]),
         ("08_module_constants.py", "init-args", ["init_method=MASTER_URL (= 'tcp://10.1.0.5:23456')"]),
+        ("30_fixed_gpu_constant.py", "cuda-device", [".cuda(GPU) with GPU = 0 names a fixed GPU"]),
+        ("11_seed_howto/train.py", "cuda-device", ["model.cuda() uses CUDA",
+                                                   "torch.cuda.current_device() at "]),
     ],
 )  # fmt: skip
 def test_each_message_says_what_really_happens(entry: str, code: str, says: list[str]) -> None:
