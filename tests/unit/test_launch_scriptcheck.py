@@ -124,9 +124,11 @@ CASES = {
     "init-args fstring": ("init-args", "import torch.distributed as dist\nport = 1\n"
                           "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}')\n", 3),
     "local-rank": ("local-rank-arg", "import argparse\np = argparse.ArgumentParser()\n"
-                   "p.add_argument('--local_rank', type=int, default=0)\n", 3),
+                   "p.add_argument('--local_rank', type=int, default=0)\n"
+                   "lr = p.parse_args().local_rank\n", 3),
     "local-rank dash": ("local-rank-arg", "import argparse\np = argparse.ArgumentParser()\n"
-                        "p.add_argument('--local-rank', type=int)\n", 3),
+                        "p.add_argument('--local-rank', type=int)\nargs = p.parse_args()\n"
+                        "print(args.local_rank)\n", 3),
     "mpi subscript": ("mpi-env", "import os\nrank = int(os.environ['OMPI_COMM_WORLD_RANK'])\n", 2),
     "mpi get": ("mpi-env", "import os\n\nsize = int(os.environ.get('PMI_SIZE', 1))\n", 3),
     "pmix getenv": ("mpi-env", "import os\nr = os.getenv('PMIX_RANK')\n", 2),
@@ -193,9 +195,15 @@ def test_a_clean_script_has_no_finding(tmp_path: Path) -> None:
         "import torch\n\n\ndef save(m):\n    torch.save(m, 'c.pt')\n\n\n"
         "rank = 0\nif rank == 0:\n    save(1)\n",
         "import torch\nrank = 0\ntorch.save({}, f'ckpt-rank{rank}.pt')\n",
+        "import os, torch\nlr = int(os.environ['LOCAL_RANK'])\nwith torch.cuda.device(lr):\n"
+        "    m = torch.nn.Linear(2, 2).cuda()\n",
+        "import os\nos.environ['CUDA_VISIBLE_DEVICES'] = os.environ['LOCAL_RANK']\nimport torch\n"
+        "m = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2).cuda(), device_ids=[0])\n",
+        "import io, torch\nbuf = io.BytesIO()\ntorch.save({}, buf)\n",
     ],
     ids=["local_rank-default-from-env", "mpi-as-fallback", "fstring-device", "cuda-index", "env-init",
-         "default-minus-one", "no-shuffle", "early-return", "guarded-caller", "file-per-rank"],
+         "default-minus-one", "no-shuffle", "early-return", "guarded-caller", "file-per-rank",
+         "cuda-device-context", "visible-devices-per-process", "in-memory-save"],
 )  # fmt: skip
 def test_the_right_way_of_each_is_not_a_finding(text: str, tmp_path: Path) -> None:
     check = check_script(write(tmp_path, {"train.py": text}))
