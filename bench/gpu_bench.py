@@ -1,11 +1,12 @@
 """GPU checks for one lent H200 (issue 7), each printing one ratio line; `--smoke` runs them on CPU.
 
     python bench/gpu_bench.py matmul            # G1 bf16 matmul 8192^3 TFLOP/s vs the device's peak
-    python bench/gpu_bench.py trainer-vs-minimal  # G2 our trainer vs a nanoGPT-style loop, GPT-124M
+    python bench/gpu_bench.py trainer-vs-minimal  # G2 our trainer vs a nanoGPT-style loop, GPT-124M, wall
     torchrun --standalone --nproc-per-node 1 bench/gpu_bench.py ddp-vs-bare   # G3 DDP(ws=1, nccl) vs bare
     python bench/gpu_bench.py stats-sync        # G4 step time: .tolist() of the stats every step vs StepMeter
     python bench/gpu_bench.py loader            # G5 loader-alone tokens/s (workers 0 / N) vs the trainer's
     python bench/gpu_bench.py logits-memory     # G6 peak memory of a step: logits.float() copy vs none
+    torchrun --standalone --nproc-per-node 1 bench/gpu_bench.py grad-memory   # G7 DDP grads set_to_none
 
 bench/gpu.sh runs them all in about 7 minutes. Same model, batch, precision and compile setting on
 both sides of every ratio; throughput is the median over timed steps after warm-up (and compilation).
@@ -30,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from common import ratio_line  # noqa: E402
 
-from ddp_train import models  # noqa: E402
+from ddp_train import data, models  # noqa: E402
 from ddp_train.config import load_config  # noqa: E402
 from ddp_train.data import (  # noqa: E402
     ShardedBatches,
@@ -104,7 +105,9 @@ def cmd_matmul(a: argparse.Namespace) -> None:
 
 
 def minimal_loop(cfg, steps: int, warmup: int) -> tuple[float, float]:
-    """nanoGPT's train.py loop, nothing else: (tokens/s, seconds/step), medians after warm-up."""
+    """nanoGPT's train.py loop, nothing else: (tokens/s, wall seconds) of `steps` steps after `warmup`,
+    timed with one device sync before and one after (nanoGPT syncs only to log). The next batch is
+    assembled while the device runs the current step, as nanoGPT's get_batch after the forward."""
     dev = device()
     torch.manual_seed(cfg.seed)
     if dev.type == "cuda":
@@ -121,36 +124,40 @@ def minimal_loop(cfg, steps: int, warmup: int) -> tuple[float, float]:
     data = build_dataset(cfg)
     bs, t = cfg.train.batch_size, cfg.model.gpt.block_size
     g = torch.Generator().manual_seed(cfg.seed)
-    times = []
-    for step in range(warmup + steps):
-        sync(dev)
-        t0 = time.perf_counter()  # batch assembly counts, as it does in the trainer's windows
+
+    def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.randint(len(data), (bs,), generator=g).tolist()
         x = torch.stack([data[i][0] for i in idx])
         y = torch.stack([data[i][1] for i in idx])
         if dev.type == "cuda":
             x, y = x.pin_memory(), y.pin_memory()
-        x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+        return x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+
+    x, y = get_batch()
+    t0 = 0.0
+    for step in range(warmup + steps):
+        if step == warmup:
+            sync(dev)
+            t0 = time.perf_counter()
         with amp:
             loss = fwd(x, y)
+        x, y = get_batch()  # while the device runs the forward
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        sync(dev)
-        if step >= warmup:
-            times.append(time.perf_counter() - t0)
-    sec = statistics.median(times)
-    return bs * t / sec, sec
+    sync(dev)
+    wall = time.perf_counter() - t0
+    return steps * bs * t / wall, wall
 
 
-def trainer_run(cfg_sets: list[str], steps: int, smoke: bool) -> tuple[float, float | None]:
-    """Our trainer under torchrun (1 process): median tokens/s and MFU of the logged windows after warm-up."""
+def trainer_records(cfg_sets: list[str], steps: int, log_every: int = 5) -> list[dict]:
+    """Our trainer under torchrun (1 process) for `steps` steps: its metrics.jsonl records."""
     with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
         sets = [
             *cfg_sets,
             f"train.max_steps={steps}",
-            "log.interval_steps=5",
+            f"log.interval_steps={log_every}",
             "checkpoint.interval_steps=0",
             "checkpoint.resume=never",
             "log.progress=never",
@@ -173,36 +180,64 @@ def trainer_run(cfg_sets: list[str], steps: int, smoke: bool) -> tuple[float, fl
             sys.exit(
                 f"gpu_bench: trainer failed ({res.returncode}):\n{res.stdout[-3000:]}{res.stderr[-3000:]}"
             )
-        recs = [json.loads(x) for x in (Path(tmp) / "gpt2-124m" / "metrics.jsonl").read_text().splitlines()]
+        return [json.loads(x) for x in (Path(tmp) / "gpt2-124m" / "metrics.jsonl").read_text().splitlines()]
+
+
+def trainer_run(cfg_sets: list[str], steps: int, smoke: bool) -> tuple[float, float | None]:
+    """Our trainer: median tokens/s and MFU of the logged windows after warm-up."""
+    recs = trainer_records(cfg_sets, steps)
     recs = recs[2:] if len(recs) > 3 else recs[1:]  # the first windows include compilation
     mfus = [r["mfu"] for r in recs if "mfu" in r]
     return statistics.median(r["tokens_per_s"] for r in recs), statistics.median(mfus) if mfus else None
 
 
 def cmd_trainer_vs_minimal(a: argparse.Namespace) -> None:
+    """G2 (issue 31 item 10): the same N steps on both sides after the same warm-up, wall-clock. The
+    trainer without eval or best.pt (nothing paused out, so its wall and compute figures agree) and
+    its wall-clock windows summed over the timed steps; the nanoGPT-style loop timed with one sync
+    at the end. Also the first window's wall time (compilation) against dist.compile_timeout_s."""
     cfg = bench_config(a.smoke)
-    steps, warmup = (10, 3) if a.smoke else (40, 10)
-    sets = SMOKE_SETS if a.smoke else GPU_SETS
-    ours_tok, ours_mfu = trainer_run(sets, steps + warmup, a.smoke)
+    steps, warmup = (10, 5) if a.smoke else (40, 10)
+    sets = [*(SMOKE_SETS if a.smoke else GPU_SETS), "eval.interval_steps=0", "eval.keep_best=false"]
+    every = 5  # warm-up and timed steps are whole windows of 5 logged steps
+
+    def window(r: dict) -> tuple[float, float]:  # (tokens, wall seconds) of a logged window
+        tokens = r["tokens_per_s"] * r["step_time_s"] * every
+        return tokens, tokens / r["wall_tokens_per_s"]
+
+    recs = trainer_records(sets, warmup + steps, log_every=every)
+    timed = [window(r) for r in recs if r["step"] > warmup]
+    ours_wall = sum(w for _, w in timed)
+    ours_tok = sum(t for t, _ in timed) / ours_wall
+    ours_compute = statistics.median(r["tokens_per_s"] for r in recs if r["step"] > warmup)
+    mfus = [r["mfu"] for r in recs if r["step"] > warmup and "mfu" in r]
+    ours_mfu = statistics.median(mfus) if mfus else None
+    first_s = window(recs[0])[1]
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    base_tok, _ = minimal_loop(cfg, steps, warmup)
+    base_tok, base_wall = minimal_loop(cfg, steps, warmup)
     dev = device()
     peak = device_peak(dev)
     model = build_model(cfg)
     base_mfu = mfu(base_tok, flops_per_token(model), peak, 1) if peak else None
     fmt = lambda v: f"{v:.1%}" if v is not None else "n/a"  # noqa: E731
     print(
-        f"trainer {ours_tok:.0f} tok/s mfu {fmt(ours_mfu)}; minimal {base_tok:.0f} tok/s mfu {fmt(base_mfu)}"
+        f"{steps} steps after {warmup}: trainer {ours_wall:.2f} s wall, {ours_tok:.0f} tok/s wall-clock "
+        f"({ours_compute:.0f} compute-only) mfu {fmt(ours_mfu)}; minimal {base_wall:.2f} s, "
+        f"{base_tok:.0f} tok/s mfu {fmt(base_mfu)}; trainer's first 5 steps (compilation) {first_s:.1f} s "
+        f"of dist.compile_timeout_s {cfg.dist.compile_timeout_s:.0f}"
     )
     print(
         ratio_line(
             "G2",
             "trainer/minimal_loop",
-            "tokens_s",
+            "wall_tokens_s",
             ours_tok / base_tok,
             mfu=fmt(ours_mfu),
             minimal_mfu=fmt(base_mfu),
             tokens_s=f"{ours_tok:.0f}",
+            wall_s=f"{ours_wall:.2f}",
+            minimal_wall_s=f"{base_wall:.2f}",
+            first_window_s=f"{first_s:.1f}",
         )
     )
 
@@ -321,9 +356,12 @@ def cmd_loader(a: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="gpu-bench-tokens-") as tmp:
         path = _token_file(Path(tmp) / "train.bin", cfg, bs * (batches + 10))
         rates = {}
+        start = data.worker_start_method(dev)  # the trainer's: forkserver on CUDA (issue 31 item 6)
         for workers in (0, cfg.data.num_workers):
             ds = TokenFile(str(path), t, int(cfg.model.gpt.vocab_size))
-            sb = ShardedBatches(ds, bs, 0, 1, cfg.seed, num_workers=workers, pin_memory=dev.type == "cuda")
+            sb = ShardedBatches(
+                ds, bs, 0, 1, cfg.seed, num_workers=workers, pin_memory=dev.type == "cuda", worker_start=start
+            )
             sb.next()  # workers started
             t0 = time.perf_counter()
             for _ in range(batches):
@@ -344,14 +382,22 @@ def cmd_loader(a: argparse.Namespace) -> None:
     )
     print(
         ratio_line(
-            "G5", "loader/trainer", "tokens_s", rates[w] / train_tok, workers=w, loader_w0=f"{rates[0]:.0f}"
+            "G5",
+            "loader/trainer",
+            "tokens_s",
+            rates[w] / train_tok,
+            workers=w,
+            start=start or "fork",
+            loader_w0=f"{rates[0]:.0f}",
         )
     )
 
 
 def cmd_logits_memory(a: argparse.Namespace) -> None:
-    """G6: issue 14 item 5. Peak memory of one forward+backward with the old explicit logits.float()
-    against the loss as autocast computes it (CUDA memory stats; on CPU the ratio is nan)."""
+    """G6: issue 14 item 5, issue 31 item 5. Peak memory of one forward+backward with an explicit
+    logits.float() against the loss as autocast computes it (CUDA memory stats; on CPU nan). Under
+    bf16 autocast makes the same fp32 copy itself (models._fp32_logits), so expect ~1.0; the absolute
+    peak at this batch size sizes the per-rank micro-batch (README, the trainer)."""
     dev = device()
     cfg = bench_config(a.smoke)
     torch.manual_seed(cfg.seed)
@@ -378,8 +424,78 @@ def cmd_logits_memory(a: argparse.Namespace) -> None:
         f"without {peaks['autocast']:.2f} GiB"
     )
     print(
-        ratio_line("G6", "mem_float_copy/mem_autocast", "peak_gib", peaks["float_copy"] / peaks["autocast"])
+        ratio_line(
+            "G6",
+            "mem_float_copy/mem_autocast",
+            "peak_gib",
+            peaks["float_copy"] / peaks["autocast"],
+            peak_gib=f"{peaks['autocast']:.2f}",
+            batch=cfg.train.batch_size,
+        )
     )
+
+
+def cmd_grad_memory(a: argparse.Namespace) -> None:
+    """G7: issue 31 item 4. DDP(gradient_as_bucket_view=True) at world size 1 (the trainer itself skips
+    DDP at one rank; here it is forced): peak memory and step time of steps 2..n with
+    zero_grad(set_to_none=True), the old trainer (the bucket alias is destroyed every step: a new
+    gradient and a copy into the bucket per backward), against set_to_none=False, the trainer now."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dev = device()
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    cfg = bench_config(a.smoke)
+    cfg.train.compile = False  # the gradients' memory, not compilation
+    steps = 3 if a.smoke else 10
+    peaks, times = {}, {}
+    for mode in ("to_none", "in_place", "to_none2", "in_place2"):  # ABAB against drift
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg).to(dev)
+        net = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None, gradient_as_bucket_view=True)
+        opt = build_optimizer(model, cfg.train, dev)
+        x = torch.randint(
+            cfg.model.gpt.vocab_size, (cfg.train.batch_size, cfg.model.gpt.block_size), device=dev
+        )
+        t0 = 0.0
+        for i in range(steps + 2):  # steps 1-2 warm up: DDP rebuilds its buckets after the first
+            if i == 2:
+                sync(dev)
+                if dev.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(dev)
+                t0 = time.perf_counter()
+            with _amp(dev, cfg):
+                loss = net(x, x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=mode.startswith("to_none"))
+        sync(dev)
+        key = mode.rstrip("2")
+        times.setdefault(key, []).append((time.perf_counter() - t0) / steps)
+        peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
+        peaks[key] = max(peaks.get(key, 0.0), peak) if peak == peak else peak
+        del net, model, opt
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    if dist.get_rank() == 0:
+        ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        print(
+            f"DDP bucket views, peak memory: set_to_none=True {peaks['to_none']:.2f} GiB "
+            f"({ms['to_none']:.1f} ms/step), in place {peaks['in_place']:.2f} GiB "
+            f"({ms['in_place']:.1f} ms/step)"
+        )
+        print(
+            ratio_line(
+                "G7",
+                "mem_set_to_none/mem_in_place",
+                "peak_gib",
+                peaks["to_none"] / peaks["in_place"],
+                step_time_ratio=f"{ms['to_none'] / ms['in_place']:.3f}",
+            )
+        )
+    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -391,6 +507,7 @@ def main() -> None:
         "stats-sync": cmd_stats_sync,
         "loader": cmd_loader,
         "logits-memory": cmd_logits_memory,
+        "grad-memory": cmd_grad_memory,
     }
     p.add_argument("check", choices=list(checks))
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks the script, not the GPU")

@@ -25,6 +25,7 @@ from ddp_train.config import ConfigError
 from ddp_train.text import one_line
 
 FORMAT = "ddp-train-checkpoint/1"
+BEST_FORMAT = "ddp-train-best/1"  # best.pt: the weights of the best step, no optimizer/data/RNG state
 REQUIRED_KEYS = ("format", "step", "model", "optimizer", "scheduler", "data", "rng", "config")
 _NAME = re.compile(r"^step-(\d{8,})\.pt$")
 

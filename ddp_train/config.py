@@ -133,6 +133,7 @@ class DistConfig:
     device: str = "auto"
     init_timeout_s: float = 300.0
     collective_timeout_s: float = 300.0
+    compile_timeout_s: float = 1800.0
 
 
 @dataclass

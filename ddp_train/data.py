@@ -6,6 +6,7 @@ import json
 import logging
 import mmap
 import os
+import warnings
 from collections.abc import Iterator, Sized
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,9 +127,16 @@ class TokenFile(Dataset):
         size check is a ConfigError naming it, like every other bad token file."""
         try:
             with open(self.path, "rb") as f:
-                # ACCESS_COPY: a writable (copy-on-write) view, so torch.frombuffer needs no copy or warning.
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            self._tokens = torch.frombuffer(self._map, dtype=self.dtype, count=self.num_tokens)
+                # ACCESS_READ: shared read-only pages, the page cache's own. A private writable map
+                # (ACCESS_COPY) is charged to every rank and worker as if written, so a strict overcommit
+                # (vm.overcommit_memory=2) refuses it with ENOMEM for a large file.
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            with warnings.catch_warnings():
+                # torch.frombuffer of a read-only buffer warns once that the tensor is writable anyway
+                # (torch 2.13 csrc/utils/tensor_new.cpp, "The given buffer is not writable"); this
+                # tensor is only ever sliced and copied by .to(int64) in __getitem__, never written.
+                warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+                self._tokens = torch.frombuffer(self._map, dtype=self.dtype, count=self.num_tokens)
         except OSError as exc:
             raise ConfigError(self.path, self.field, f"cannot open: {exc.strerror or exc}") from None
         except ValueError:
@@ -351,6 +359,15 @@ def _collate(items: Any) -> Any:
     return items if isinstance(items, _LoadFailure) else default_collate(items)
 
 
+def worker_start_method(device: torch.device) -> str | None:
+    """How DataLoader workers start: `forkserver` once CUDA and NCCL are up in this process (torch 2.13
+    nn/parallel/distributed.py, DDP's warning: "NCCL2 [is] not fork safe ... likely experience
+    deadlocks"), so workers are started by a clean server process and receive the dataset pickled
+    (TokenFile pickles without its map and maps the file itself). On CPU the default fork: no CUDA,
+    no NCCL, and no server process to import torch again."""
+    return "forkserver" if device.type == "cuda" else None
+
+
 class ShardedBatches:
     """This rank's batches from one long-lived DataLoader; resumable mid-epoch, bit-exact.
 
@@ -371,6 +388,7 @@ class ShardedBatches:
         pin_memory: bool = False,
         index_log: Path | None = None,
         prefetch_factor: int = 2,
+        worker_start: str | None = None,
     ) -> None:
         self.dataset, self.batch_size, self.rank, self.seed = dataset, batch_size, rank, seed
         self.num_workers, self.pin_memory, self.index_log = num_workers, pin_memory, index_log
@@ -393,6 +411,7 @@ class ShardedBatches:
             pin_memory=pin_memory,
             persistent_workers=num_workers > 0,
             prefetch_factor=prefetch_factor if num_workers > 0 else None,
+            multiprocessing_context=worker_start if num_workers > 0 else None,
             generator=torch.Generator().manual_seed(seed),
         )
         self.epoch, self.position = 0, 0

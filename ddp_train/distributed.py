@@ -98,18 +98,22 @@ _IO_STORE: Any = None  # the rendezvous store, for waits that must not be collec
 _IO_SEQ = 0
 
 
-def init(cfg: DistConfig, env: DistEnv, device: torch.device) -> str | None:
+def init(
+    cfg: DistConfig, env: DistEnv, device: torch.device, collective_timeout_s: float | None = None
+) -> str | None:
     """Join the process group (env:// rendezvous from torchrun); returns the backend or None alone.
 
     Two timeouts: dist.init_timeout_s bounds the rendezvous and the group's setup (all ranks joining),
-    dist.collective_timeout_s every collective afterwards. The rendezvous store is kept for wait_for_io.
+    dist.collective_timeout_s (or `collective_timeout_s`, e.g. longer until compiled: see
+    set_collective_timeout) every collective afterwards. The rendezvous store is kept for wait_for_io.
     """
     global _IO_STORE, _IO_SEQ
     if not env.distributed:
         return None
     backend = select_backend(cfg, device)
     init_timeout = datetime.timedelta(seconds=cfg.init_timeout_s)
-    kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=cfg.collective_timeout_s)}
+    timeout = cfg.collective_timeout_s if collective_timeout_s is None else collective_timeout_s
+    kwargs: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout)}
     if backend == "nccl" and "device_id" in inspect.signature(dist.init_process_group).parameters:
         kwargs["device_id"] = device  # eager NCCL init bound to this rank's GPU (torch >= 2.3)
     # What init_process_group(init_method="env://") does itself (distributed_c10d.init_process_group:
@@ -126,6 +130,14 @@ def init(cfg: DistConfig, env: DistEnv, device: torch.device) -> str | None:
     )
     _IO_STORE, _IO_SEQ = dist.PrefixStore(namespace + "io/", store), 0
     return backend
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """The timeout of the collectives issued from now on (no-op alone), as torchtitan lowers its
+    init timeout after the first step (torchtitan distributed/utils.py set_pg_timeouts). torch 2.13
+    distributed_c10d._set_pg_timeout sets the default timeout of the group's gloo and NCCL backends."""
+    if active():
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds))
 
 
 def wait_for_io(src: int, timeout_s: float) -> None:

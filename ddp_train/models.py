@@ -16,9 +16,16 @@ from ddp_train.plugins import call_plugin
 
 
 def _fp32_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Logits for the loss: as they are under autocast, which runs cross_entropy (log_softmax, nll_loss) in
-    fp32 by itself (https://pytorch.org/docs/stable/amp.html, "ops that can autocast to float32"), so an
-    explicit .float() would only add a (B, T, V) fp32 copy: ~3 GB at B=16, T=1024, V=50304."""
+    """Logits for the loss: as they are under autocast, which runs the loss in fp32 by itself
+    (https://pytorch.org/docs/stable/amp.html, "ops that can autocast to float32"), else as fp32.
+
+    This saves no memory under bf16: autocast casts the logits to fp32 itself, a (B, T, V) fp32 copy
+    (~3.3 GB at B=16, T=1024, V=50304) exactly like .float(): on CPU cross_entropy_loss is on the fp32
+    list (aten::_to_copy of the logits, seen in the profiler); on CUDA (issue 31's reading of the
+    autocast lists) log_softmax gets dtype=float32 and converts bf16 input first; only fp16 has a fused
+    half-to-float log_softmax (torch 2.13
+    _decomp/decompositions.py _log_softmax: half_to_float expects torch.half). bench G6 measures it.
+    Avoiding the copy would take a loss computed chunk by chunk over the tokens (fused with lm_head)."""
     return logits if torch.is_autocast_enabled(logits.device.type) else logits.float()
 
 

@@ -23,7 +23,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_train import checkpoint, distributed, exitcodes, stackdump, tbwriter
 from ddp_train.config import Config, ConfigError, dump_yaml
 from ddp_train.console import emit_line
-from ddp_train.data import ShardedBatches, build_dataset, build_val_dataset, resolve_vocab
+from ddp_train.data import (
+    ShardedBatches,
+    build_dataset,
+    build_val_dataset,
+    resolve_vocab,
+    worker_start_method,
+)
 from ddp_train.distributed import DistEnv
 from ddp_train.evaluate import Evaluator, perplexity
 from ddp_train.meter import PendingStep, StepMeter
@@ -169,6 +175,7 @@ class Trainer:
             pin_memory=device.type == "cuda",
             index_log=index_log,
             prefetch_factor=cfg.data.prefetch_factor,
+            worker_start=worker_start_method(device),  # forkserver after NCCL init
         )
         self.checkpoints = checkpoint.Checkpointer(
             cfg.checkpoint_dir,
@@ -185,9 +192,23 @@ class Trainer:
         net: nn.Module = torch.compile(self.model) if t.compile else self.model  # raw module stays self.model
         self.ddp: nn.Module = net
         self.net = net  # evaluated without DDP: no gradient, so no reducer or buffer broadcast needed
-        if env.distributed:
+        # One rank has nothing to average: DDP would only copy gradients into buckets, all-reduce them
+        # with itself and split the compiled graph at every bucket (DDPOptimizer).
+        if env.distributed and env.world_size > 1:
             ids = [device.index] if device.type == "cuda" else None
             self.ddp = DDP(net, device_ids=ids, gradient_as_bucket_view=True)
+        # The gradients are views into DDP's all-reduce buckets from the first step on, as long as they
+        # are zeroed in place: set_to_none=True destroys the alias every step, so each backward allocates
+        # new gradients and copies them into the buckets (torch 2.13 nn/parallel/distributed.py, the
+        # `batched_grad_copy` doc: "the bucket view alias is destroyed every iteration"; the test
+        # test_ddp_gradients_stay_views_of_the_buckets checks it). Without DDP, None frees the memory
+        # between steps instead.
+        self._grads_to_none = not isinstance(self.ddp, DDP)
+        # Compiled, the first training step and the first validation compile on every rank, at different
+        # speeds, and the first collective after them waits for the slowest: dist.compile_timeout_s
+        # applies until the first step ran (run() starts the group with it) and during the first
+        # validation, collective_timeout_s otherwise.
+        self._compiling = {"train", "eval"} if t.compile and env.distributed else set()
         self.ddp.train()  # once: evaluate() puts the mode back (a train() per step walked every module)
         self.flops_per_token = flops_per_token(self.model)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
@@ -266,24 +287,54 @@ class Trainer:
         """<run dir>/best.pt: beside checkpoints/, so keep_latest_k rotation never sees it."""
         return self.cfg.run_dir / "best.pt"
 
+    def best_state(self) -> dict[str, Any]:
+        """What best.pt holds: the weights of the best step and what they are (no optimizer, data or RNG
+        state: a resume uses the regular checkpoints, whose `best` entry keeps the best val loss)."""
+        return {
+            "format": checkpoint.BEST_FORMAT,
+            "step": self.step,
+            "best": dict(self.best),
+            "model": self.model.state_dict(),
+            "config": self.cfg.to_dict(),
+            "torch_version": str(torch.__version__),
+        }
+
     def save_best(self) -> None:
-        """Like save(), to best.pt (atomically), after a new best val loss."""
+        """The weights alone to best.pt (atomically), after a new best val loss: a third of a full
+        checkpoint under AdamW (two fp32 moments per weight), never a second write of the same state."""
         note = f" (val_loss {self.best['val_loss']:.4f} at step {self.step})"
-        self.checkpoints.save(rng_state(self.device), self.state_dict, self.step, self.best_path, note)
+        self.checkpoints.save(None, lambda _rngs: self.best_state(), self.step, self.best_path, note)
 
     def validate(self) -> float:
         """Val loss of the current model on every rank's slice (collective); keeps the best."""
         assert self.evaluator is not None
+        if self.meter is not None:
+            # The host runs a step ahead: without this the clock below would start while the device
+            # still runs this step, and its time would be paused out as eval's (as save's is not:
+            # fit() pops the meter before saving).
+            self.meter.drain()
         t0 = time.perf_counter()
+        first_compiled = "eval" in self._compiling
+        if first_compiled:
+            distributed.set_collective_timeout(first_step_timeout_s(self.cfg))
         loss = self.evaluator.evaluate(self.net, self.autocast)
+        if first_compiled:
+            self._compiled("eval")
         self._val[self.step] = loss
         best = self.best.get("val_loss")
         if math.isfinite(loss) and (best is None or loss < best):
             self.best = {"val_loss": loss, "step": self.step}
             if self.cfg.eval.keep_best:
                 self.save_best()
-        self._pause(time.perf_counter() - t0)  # tokens/s and MFU count training time only
+        self._pause(time.perf_counter() - t0)  # compute-only tokens/s and MFU; the wall figure keeps it
         return loss
+
+    def _compiled(self, phase: str) -> None:
+        """`phase` ("train" or "eval") has run compiled on every rank: back to the collective timeout
+        unless the first training step is still on its way (validate raises it again for its first)."""
+        self._compiling.discard(phase)
+        if "train" not in self._compiling:
+            distributed.set_collective_timeout(self.cfg.dist.collective_timeout_s)
 
     def save(self) -> None:
         """A checkpoint of this step: every rank's RNG state gathered, rank 0 writes, all wait for it."""
@@ -328,7 +379,7 @@ class Trainer:
             gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip).float()
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self._grads_to_none)
         self.scheduler.step()
         return loss_sum, gnorm, tokens
 
@@ -356,6 +407,8 @@ class Trainer:
                 self._flags[1].fill_(sigint)
                 stats = torch.cat([torch.stack([loss, gnorm]), self._flags])
                 finished = meter.pop()
+                if finished is not None and "train" in self._compiling:
+                    self._compiled("train")  # its all-reduce is back: every rank compiled and ran it
                 meter.push(
                     self.step,
                     self.batches.epoch,
@@ -383,6 +436,7 @@ class Trainer:
                     meter.pause(cfg.debug.step_delay_s)  # keep throughput figures honest
                 collector.step(self.step)
             stopped = self._report(meter.pop()) or stopped
+            self._log_run_throughput(meter)
             bar.close()
             if self.saved_step != self.step:
                 self.save()
@@ -437,9 +491,28 @@ class Trainer:
             self._log_step(p, gnorm_sum / world, *meter.close_window(p))
         return stop
 
-    def _log_step(self, p: PendingStep, grad_norm: float, seconds: float, tokens: int, steps: int) -> None:
+    def _log_run_throughput(self, meter: StepMeter) -> None:
+        """The run's totals on rank 0: wall-clock tokens/s beside the compute-only figure, and the time
+        between them (eval, best.pt, checkpoints, debug delays)."""
+        steps, tokens = meter.total_steps, meter.total_tokens
+        wall, compute = meter.last_wall - meter.started, meter.last_stamp - meter.started_clock
+        if not (self.env.is_main and steps and compute > 0):
+            return
+        log.info(
+            "throughput: %d steps in %.1fs wall: %.0f tok/s wall-clock, %.0f tok/s compute-only "
+            "(%.1fs of eval, checkpoints and delays paused out)",
+            steps,
+            wall,
+            tokens / wall,
+            tokens / compute,
+            wall - compute,
+        )
+
+    def _log_step(
+        self, p: PendingStep, grad_norm: float, seconds: float, wall: float, tokens: int, steps: int
+    ) -> None:
         cfg, world = self.cfg, self.env.world_size
-        tok_s = tokens / seconds
+        tok_s, wall_tok_s = tokens / seconds, tokens / wall
         samples = steps * cfg.train.batch_size * cfg.train.grad_accum_steps * world
         record: dict[str, Any] = {
             "step": p.step,
@@ -448,7 +521,8 @@ class Trainer:
             "lr": p.lr,
             "grad_norm": round(grad_norm, 6) if cfg.train.grad_clip > 0 else None,
             "samples_per_s": round(samples / seconds, 3),
-            "tokens_per_s": round(tok_s, 3),
+            "tokens_per_s": round(tok_s, 3),  # compute-only: eval and checkpoint time paused out
+            "wall_tokens_per_s": round(wall_tok_s, 3),  # wall-clock: nothing left out
             "step_time_s": round(seconds / steps, 6),
         }
         if self.peak:
@@ -466,7 +540,7 @@ class Trainer:
         mfu_text = f" mfu {record['mfu']:.1%}" if "mfu" in record else ""
         line = (
             f"step {p.step}/{cfg.train.max_steps} loss {self.last_loss:.4f}{val_text} lr {p.lr:.3g} "
-            f"{tok_s:.0f} tok/s {record['step_time_s']:.3f} s/step{mfu_text}"
+            f"{tok_s:.0f} tok/s {record['step_time_s']:.3f} s/step{mfu_text} wall {wall_tok_s:.0f} tok/s"
         )
         assert self.meter is not None
         self.meter.emit(record, line)  # metrics.jsonl + the log line: the one place a step is reported
@@ -507,6 +581,39 @@ def flight_recorder_env(run_dir: Any, environ: Any = None) -> dict[str, str]:
     return added
 
 
+def first_step_timeout_s(cfg: Config) -> float:
+    """The collective timeout until the compiled steps ran once (Trainer._compiled)."""
+    d = cfg.dist
+    return max(d.compile_timeout_s, d.collective_timeout_s) if cfg.train.compile else d.collective_timeout_s
+
+
+def compile_threads_env(env: DistEnv, environ: Any = None) -> dict[str, str]:
+    """TORCHINDUCTOR_COMPILE_THREADS = this node's cores / its ranks, unless set. Inductor otherwise
+    gives every rank min(32, cores) compile workers (torch 2.13 _inductor/config.py
+    decide_compile_threads, read once when torch._inductor.config is first imported: set it before)."""
+    environ = os.environ if environ is None else environ
+    if "TORCHINDUCTOR_COMPILE_THREADS" in environ:
+        return {}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return {"TORCHINDUCTOR_COMPILE_THREADS": str(max(1, cores // max(1, env.local_world_size)))}
+
+
+def make_dump_dirs(environ: Any = None) -> None:
+    """Create the directory of the flight recorder's dump files on this rank. torch's writer creates no
+    directory: DebugInfoWriter::write opens a std::ofstream and only logs "Error opening file for
+    writing Flight Recorder debug info" (torch 2.13 c10d/FlightRecorderDetail.hpp), and only rank 0
+    creates the run directory, so without this every other rank's trace would be lost.
+    Both names, whichever the user set; a directory that cannot be made is a warning only."""
+    env = os.environ if environ is None else environ
+    for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        if env.get(name):
+            directory = Path(env[name]).parent
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                log.warning("%s: cannot create %s for NCCL trace dumps: %s", name, directory, exc)
+
+
 def run(cfg: Config, source: str = "config") -> int:
     """Run one rank (alone or under torchrun): set up the process group, train, tear it down."""
     stop = StopRequest()
@@ -518,7 +625,10 @@ def run(cfg: Config, source: str = "config") -> int:
         stackdump.install(env.rank)  # SIGUSR1 -> this rank's stack, for ddp-launch's stall watchdog
         device = distributed.select_device(cfg.dist, env)
         os.environ.update(flight_recorder_env(cfg.run_dir))
-        distributed.init(cfg.dist, env, device)
+        make_dump_dirs()  # on every rank: only rank 0 creates the run directory
+        if cfg.train.compile:
+            os.environ.update(compile_threads_env(env))
+        distributed.init(cfg.dist, env, device, first_step_timeout_s(cfg))
         trainer = Trainer(cfg, env, device, stop)
         code = trainer.fit()
         distributed.barrier()  # no rank tears down its connections while a peer still uses them

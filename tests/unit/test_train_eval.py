@@ -189,7 +189,8 @@ def test_best_checkpoint_survives_rotation_and_resume_restores_the_best(tmp_path
     assert 5 <= best_step <= 30 and recs[-1]["val_loss"] > best_loss + 0.05, "no overfitting to test with"
     ckpts = straight / "runs" / "default" / "checkpoints"
     assert [p.name for p in ckpts.iterdir()] == ["step-00000050.pt"]  # rotation ran (keep_latest_k=1)
-    best = checkpoint.load(straight / "runs" / "default" / "best.pt")
+    best = torch.load(straight / "runs" / "default" / "best.pt", weights_only=True)
+    assert best["format"] == checkpoint.BEST_FORMAT and "optimizer" not in best  # the weights alone
     assert best["step"] == best_step and best["best"]["step"] == best_step
     assert best["best"]["val_loss"] == pytest.approx(best_loss, abs=1e-6)
     assert recs[-1]["best_val_loss"] == pytest.approx(best_loss, abs=1e-6)
@@ -199,7 +200,7 @@ def test_best_checkpoint_survives_rotation_and_resume_restores_the_best(tmp_path
     assert train(split, *OVERFIT, f"train.max_steps={stop_at}") == 0
     assert train(split, *OVERFIT, "train.max_steps=50") == 0
     out = capsys.readouterr().out
-    again = checkpoint.load(split / "runs" / "default" / "best.pt")
+    again = torch.load(split / "runs" / "default" / "best.pt", weights_only=True)
     assert again["step"] == best_step and again["best"]["val_loss"] == pytest.approx(best_loss, abs=1e-6)
     assert records(split)[-1]["best_val_loss"] == pytest.approx(best_loss, abs=1e-6)
     # evaluating never moved a random stream or the data order: the resume stays bit-exact
