@@ -32,9 +32,10 @@ def install(rank: int) -> None:
     directory = os.environ.get(STACK_DIR_ENV)
     if directory and _file is None and _private(directory):
         try:
-            _file = os.fdopen(_create(os.path.join(directory, f"r{rank}.txt")), "w", encoding="utf-8")
+            path = os.path.join(directory, f"r{rank}.txt")
+            _file = os.fdopen(_create(path), "w", encoding="utf-8")
             faulthandler.register(signal.SIGUSR1, file=_file, all_threads=True)
-            atexit.register(_remove, _file.name)
+            atexit.register(_remove, path)  # not _file.name: fdopen's file is named by its descriptor
         except OSError:
             _file = None
     spec = os.environ.get(DEBUG_STALL_ENV, "")
