@@ -39,7 +39,7 @@ _RANKED = (
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")  # what may appear in a log file name as is
 # Kept off the console (the host log has them): the body of a Python traceback up to its exception line,
 # which is shown, and the C++ frames c10d prints under a warning.
-_RANK_PREFIX = re.compile(r"^\[(?:rank\d+|default\d*)\]:")
+_RANK_PREFIX = re.compile(r"^\[(?:rank\d+|default\d*)\]: ?")  # torch's "[rank1]: " before worker lines
 _TRACEBACK_START = re.compile(
     r"^(Traceback \(most recent call last\):|During handling of the above exception|"
     r"The above exception was the direct cause|Exception ignored in)"
