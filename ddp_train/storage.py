@@ -55,7 +55,7 @@ def _mount_point(path: Path) -> Path:
     return p
 
 
-def _size(n: float) -> str:
+def size_text(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -70,7 +70,7 @@ def free_space(path: Path | str) -> str:
         usage = shutil.disk_usage(mount)
     except OSError:
         return f"free space of {mount} unknown"
-    return f"{_size(usage.free)} free of {_size(usage.total)} on {mount}"
+    return f"{size_text(usage.free)} free of {size_text(usage.total)} on {mount}"
 
 
 @contextlib.contextmanager
