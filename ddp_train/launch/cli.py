@@ -245,6 +245,21 @@ def _parser(doctor: bool) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of ddp-launch."""
+    try:
+        return _main(argv)
+    except OSError as e:
+        # the launcher's own writes (logs/<job>/, job.json, the monitor's files): a disk that refuses
+        # them is one line with the path and its free space, exit 2, not a traceback
+        from ddp_train.storage import StorageError, disk_error
+
+        cause = disk_error(e)
+        if cause is None:
+            raise
+        path = cause.filename if isinstance(cause.filename, str) else "logs"
+        return _usage(str(StorageError("writing the job's logs and state", path, cause)))
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == [MONITOR_ARGS]:  # a detached monitor: its arguments come in a 0600 file, not argv
         from ddp_train.launch.jobcmds import read_monitor_args

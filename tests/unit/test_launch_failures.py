@@ -154,3 +154,24 @@ def test_storage_error_finds_the_disk_error_behind_torch_saves_runtime_error(tmp
     assert str(caught.value).endswith("; kept") and " free of " in str(caught.value)
     with pytest.raises(ValueError), storage.guarded("saving x", tmp_path / "x.pt"):
         raise ValueError("not a disk's fault")
+
+
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="mounts a tmpfs (root only)")
+def test_a_read_only_log_dir_is_one_line_with_its_path_exit_2(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from tests.integration.test_failures_disk import tmpfs
+
+    repo = Path(__file__).resolve().parents[2]
+    with tmpfs(tmp_path / "ro", "size=64k,ro") as ro:
+        res = subprocess.run(
+            [str(Path(sys.executable).parent / "ddp-launch"), "--hosts", str(repo / "inventory" / "local"),
+             "--job-id", "ro-logs", "--log-dir", str(ro)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    assert res.stderr == (
+        f"ddp-launch: error: {ro}/ro-logs: writing the job's logs and state failed: Read-only file system "
+        f"(EROFS); 64.0 KiB free of 64.0 KiB on {ro}\n"
+    )
