@@ -247,6 +247,7 @@ class Job:
                 finished += 1
                 if r.failed and self.first is None:
                     self.first = r
+                    self._await_cause(r)
                     self.log.note(f"{r.plan.label} failed: {self._describe_end(r)}; stopping every node")
                     self._teardown()
                     cause = self._root_cause()
@@ -371,6 +372,17 @@ class Job:
             if not PEER_FAILURE.search(err) and not OUR_SIGNAL.search(err):
                 return r
         return first
+
+    def _await_cause(self, r: NodeRun) -> None:
+        """A first failure that only reports a lost peer: give the node that caused it up to
+        ROOT_CAUSE_WINDOW_S to end by itself (with its own exit code and line) before the teardown's
+        TERM reaches it."""
+        if r.lost or r.error or not PEER_FAILURE.search(first_error(self.log.tail(r.name)) or ""):
+            return
+        deadline = time.monotonic() + ROOT_CAUSE_WINDOW_S
+        others = [o for o in self.runs if o is not r and o.started]
+        while time.monotonic() < deadline and not any(o.done.is_set() and o.failed for o in others):
+            time.sleep(0.05)
 
     def _describe_end(self, r: NodeRun) -> str:
         err = first_error(self.log.tail(r.name))

@@ -175,3 +175,28 @@ def test_a_read_only_log_dir_is_one_line_with_its_path_exit_2(tmp_path: Path) ->
         f"ddp-launch: error: {ro}/ro-logs: writing the job's logs and state failed: Read-only file system "
         f"(EROFS); 64.0 KiB free of 64.0 KiB on {ro}\n"
     )
+
+
+def test_a_consequence_failing_first_waits_briefly_for_its_cause(tmp_path: Path) -> None:
+    import threading
+
+    plan = build_plan([node("n0", "10.0.0.1"), node("n1", "10.0.0.2")], Options(job_id="j"))
+    j = Job(plan, JobLog(tmp_path, "j", quiet=True))
+    n0, n1 = j.runs
+    n0.started = n1.started = True
+    n1.code = 1
+    j.log.line("n1", "n1 r1", "ddp-train: stopped: rank 0 failed: /r/best.pt: saving best.pt failed")
+
+    def rank0_ends() -> None:
+        time.sleep(0.3)
+        n0.code = 2
+        n0.done.set()
+
+    threading.Thread(target=rank0_ends).start()
+    t0 = time.monotonic()
+    j._await_cause(n1)  # before the teardown: rank 0 exits 2 by itself, not by the launcher's TERM
+    assert n0.done.is_set() and 0.25 < time.monotonic() - t0 < 1.5
+    j.log.line("n0", "n0 r0", "ddp-train: error: /r/best.pt: saving best.pt failed")
+    t0 = time.monotonic()
+    j._await_cause(n0)  # its own failure: no wait
+    assert time.monotonic() - t0 < 0.1
