@@ -200,3 +200,27 @@ def test_a_consequence_failing_first_waits_briefly_for_its_cause(tmp_path: Path)
     t0 = time.monotonic()
     j._await_cause(n0)  # its own failure: no wait
     assert time.monotonic() - t0 < 0.1
+
+
+def test_a_ranks_stack_dump_file_is_removed_at_exit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The atexit removal got fdopen's name, the descriptor: a TypeError traceback on every rank's exit."""
+    import atexit
+
+    from ddp_train import stackdump
+
+    private = tmp_path / "agent"
+    private.mkdir(mode=0o700)
+    registered: list[tuple] = []
+    monkeypatch.setattr(atexit, "register", lambda f, *a: registered.append((f, a)))
+    monkeypatch.setenv(stackdump.STACK_DIR_ENV, str(private))
+    monkeypatch.setattr(stackdump, "_file", None)
+    stackdump.install(5)
+    try:
+        assert (private / "r5.txt").exists() and len(registered) == 1
+        func, args = registered[0]
+        func(*args)
+        assert not (private / "r5.txt").exists()
+    finally:
+        if stackdump._file is not None:
+            stackdump._file.close()
+        monkeypatch.setattr(stackdump, "_file", None)
