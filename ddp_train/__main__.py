@@ -1,6 +1,7 @@
 """`ddp-train` / `python -m ddp_train`: validate the config, then train (alone or under torchrun).
 
-Exit codes: 0 success; 2 bad input (config, --set, plug-in, data file, incompatible checkpoint);
+Exit codes: 0 success; 2 bad input (config, --set, plug-in, data file, incompatible checkpoint) or a
+disk refusing a write (full, quota, read-only, permission, I/O error);
 3 ranks ended with different parameters; 143 (130) stopped by SIGTERM (SIGINT) after saving a
 checkpoint; 1 any other failure.
 """
@@ -28,8 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ddp-train",
         description="DDP trainer (`ddp-train prepare --help`: text -> token files). Run alone (one "
         "process) or under torchrun, e.g. `torchrun --standalone --nproc-per-node 2 -m ddp_train`.",
-        epilog="Exit codes: 0 ok, 2 bad input, 3 ranks diverged, 143/130 stopped by SIGTERM/SIGINT after "
-        "saving a checkpoint, 1 other failures.",
+        epilog="Exit codes: 0 ok, 2 bad input or a disk refusing a write, 3 ranks diverged, 143/130 stopped "
+        "by SIGTERM/SIGINT after saving a checkpoint, 1 other failures.",
     )
     p.add_argument(
         "--config", metavar="FILE", help="YAML config (default: the packaged configs/default.yaml)"

@@ -109,11 +109,28 @@ def _run_torchrun(argv: list[str]) -> int:
     except _Stopped as e:
         return _stopped_line(e.signum, started=False)
     except Exception as e:
+        if type(e).__name__ == "ChildFailedError" and hasattr(e, "get_first_failure"):
+            return _failed_line(e)
         sigval = getattr(e, "sigval", None)  # torch.distributed.elastic's SignalException
         if type(e).__name__ != "SignalException" or sigval is None:
             raise
         return _stopped_line(int(sigval), started=True)
     return 0
+
+
+def _failed_line(e: Exception) -> int:
+    """torchrun's ChildFailedError (a worker exited non-zero) as one line instead of its traceback and
+    report block (the worker's own lines above say why); exits with that worker's code, or 128 + the
+    signal that killed it. torch 2.13 elastic/multiprocessing/errors/__init__.py: ChildFailedError
+    .get_first_failure() -> (global rank, ProcessFailure with exitcode, message, local_rank)."""
+    rank, failure = e.get_first_failure()  # type: ignore[attr-defined]
+    code = int(failure.exitcode)
+    how = f"exit code {code}" if code >= 0 else str(failure.message)  # "Signal 9 (SIGKILL) received by PID n"
+    others = len(e.failures) - 1  # type: ignore[attr-defined]
+    also = f" ({others} more worker(s) failed after it)" if others > 0 else ""
+    line = f"ddp-agent: worker rank {rank} (local rank {failure.local_rank}) failed first: {how}{also}"
+    print(line, file=sys.stderr, flush=True)
+    return code if code > 0 else (128 - code if code < 0 else 1)
 
 
 def private_dir(job_id: str) -> str | None:

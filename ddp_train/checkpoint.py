@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ddp_train import distributed
+from ddp_train import distributed, storage
 from ddp_train.config import ConfigError
 from ddp_train.text import one_line
 
@@ -96,6 +96,15 @@ def save_file(state: dict[str, Any], final: Path, delay_s: float = 0.0) -> Path:
         raise
     _fsync_dir(directory)
     return final
+
+
+def kept(directory: Path) -> str:
+    """What a failed write left usable, for its error line: the newest checkpoint, untouched."""
+    found = list_checkpoints(directory)
+    if not found:
+        return f"no checkpoint in {directory} yet"
+    step, path = found[-1]
+    return f"checkpoint step {step} is intact ({path})"
 
 
 def prune(directory: Path, keep_latest_k: int) -> list[Path]:
@@ -251,7 +260,7 @@ class Checkpointer:
             except ConfigError as exc:
                 header = {"error": [exc.source, exc.field, exc.message]}
         # the read + CRC check happen on one rank: the others wait on the store, not in a collective
-        distributed.wait_for_io(src, self.io_timeout_s)
+        distributed.wait_for_io(src, self.io_timeout_s, "reading its newest checkpoint")
         header = distributed.broadcast_object(header, src)
         if "error" in header:
             raise ConfigError(*header["error"])
@@ -271,18 +280,29 @@ class Checkpointer:
         """Gather every rank's `local` (its RNG state); rank 0 writes build(gathered) atomically as the
         checkpoint of `step` (or to `path`, e.g. best.pt, outside the rotation); all wait for it."""
         gathered = distributed.all_gather_objects(local)
+        what = f"its checkpoint of step {step}" if path is None else f"its {path.name} of step {step}"
         if self.rank == 0:
-            t0 = time.perf_counter()
-            state = build(gathered)
+            try:
+                self._write(build(gathered), step, path, note)
+            except storage.StorageError as exc:
+                # the others stop with one line naming this failure instead of a lost connection
+                distributed.wait_for_io(0, self.io_timeout_s, what, failed=str(exc))
+                raise
+        # rank 0's write + fsync may outlast the collective timeout: wait on the store, sized for I/O
+        distributed.wait_for_io(0, self.io_timeout_s, what)
+
+    def _write(self, state: dict[str, Any], step: int, path: Path | None, note: str) -> None:
+        t0 = time.perf_counter()
+        final = self.directory / checkpoint_name(step) if path is None else path
+        operation = f"saving checkpoint step {step}" if path is None else f"saving {path.name} of step {step}"
+        with storage.guarded(operation, final, lambda: kept(self.directory)):
             if path is None:
-                path = save(state, self.directory, step, self.save_delay_s)
+                save(state, self.directory, step, self.save_delay_s)
                 pruned = prune(self.directory, self.keep_latest_k)
                 deleted = f" (deleted {len(pruned)} older)" if pruned else ""
             else:
                 save_file(state, path)
                 deleted = note
-            # "saved ... in N.NNs": ddp-launch reads it to size the grace period of a stop (launch/job.py)
-            seconds = time.perf_counter() - t0
-            logging.getLogger("ddp_train").info("saved %s in %.2fs%s", path, seconds, deleted)
-        # rank 0's write + fsync may outlast the collective timeout: wait on the store, sized for I/O
-        distributed.wait_for_io(0, self.io_timeout_s)
+        # "saved ... in N.NNs": ddp-launch reads it to size the grace period of a stop (launch/job.py)
+        seconds = time.perf_counter() - t0
+        logging.getLogger("ddp_train").info("saved %s in %.2fs%s", final, seconds, deleted)

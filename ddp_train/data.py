@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from ddp_train import storage
 from ddp_train.config import Config, ConfigError
 from ddp_train.plugins import call_plugin
 
@@ -431,7 +432,10 @@ class ShardedBatches:
     def _log_epoch(self) -> None:
         if self.index_log is None:
             return
-        with open(self.index_log, "a", encoding="utf-8") as f:
+        with (
+            storage.guarded("writing the index dump", self.index_log),
+            open(self.index_log, "a", encoding="utf-8") as f,
+        ):
             record = {"rank": self.rank, "epoch": self.epoch, "position": self.position}
             f.write(json.dumps({**record, "indices": self.epoch_indices(self.epoch)}) + "\n")
 

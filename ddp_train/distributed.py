@@ -140,12 +140,19 @@ def set_collective_timeout(seconds: float) -> None:
         dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds))
 
 
-def wait_for_io(src: int, timeout_s: float) -> None:
-    """Wait until rank `src` finished its I/O (checkpoint save/load) before the next collective.
+class PeerFailure(RuntimeError):
+    """This rank stops because another rank failed or went away (its own line names that rank)."""
+
+
+def wait_for_io(
+    src: int, timeout_s: float, what: str = "its checkpoint I/O", failed: str | None = None
+) -> None:
+    """Wait until rank `src` finished its I/O (`what`: a checkpoint save/load) before the next collective.
 
     Every rank calls it at the same point: `src` publishes a key, the others wait on the store for up
     to `timeout_s`. A store wait, not a barrier, so a long fsync on one rank cannot trip the process
-    group's collective timeout on the others. No-op alone.
+    group's collective timeout on the others. `failed` (on `src`): its one-line error, which the
+    others raise as a PeerFailure instead of waiting for a connection that closes. No-op alone.
     """
     global _IO_SEQ
     if not active() or _IO_STORE is None:
@@ -153,15 +160,24 @@ def wait_for_io(src: int, timeout_s: float) -> None:
     _IO_SEQ += 1
     key = f"done/{_IO_SEQ}"
     if dist.get_rank() == src:
-        _IO_STORE.set(key, "1")
+        _IO_STORE.set(key, "1" if failed is None else f"failed:{failed}")
         return
+    t0 = time.monotonic()
     try:
         _IO_STORE.wait([key], datetime.timedelta(seconds=timeout_s))
-    except Exception as exc:  # the store raises DistStoreError / RuntimeError on timeout
+        value = _IO_STORE.get(key).decode("utf-8", "replace")
+    except Exception as exc:  # the store raises DistStoreError on timeout, DistNetworkError when it closes
+        waited = time.monotonic() - t0
+        if waited < timeout_s:
+            raise PeerFailure(
+                f"rank {src} failed: the store connection closed after {waited:.1f}s while this rank waited "
+                f"for {what} ({type(exc).__name__})"
+            ) from None
         raise TimeoutError(
-            f"rank {src} did not finish its checkpoint I/O within checkpoint.io_timeout_s={timeout_s:g}s "
-            f"({type(exc).__name__})"
+            f"rank {src} did not finish {what} within checkpoint.io_timeout_s={timeout_s:g}s"
         ) from None
+    if value.startswith("failed:"):
+        raise PeerFailure(f"rank {src} failed: {value[len('failed:') :]}")
 
 
 def _fresh_namespace(store: dist.Store, rank: int, world: int, timeout_s: float) -> str:

@@ -2,7 +2,9 @@
 
 OK = 0
 FAILURE = 1  # an unexpected error (traceback printed)
-BAD_INPUT = 2  # config, --set, plug-in, data file or checkpoint refused with one line
+# config, --set, plug-in, data file or checkpoint refused with one line; also a bad environment: a disk
+# that refuses a write (full, quota, read-only, permission, I/O error: storage.StorageError)
+BAD_INPUT = 2
 RANKS_DIFFER = 3  # training finished but the ranks' parameters are not identical
 SIGTERM = 143  # stopped by SIGTERM after saving a checkpoint (128 + 15, as a shell reports it)
 SIGINT = 130  # the same for SIGINT (Ctrl-C)

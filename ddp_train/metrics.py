@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
+from ddp_train import storage
+
 LOG_FORMAT = "%(asctime)s ddp-train[rank {rank}] %(levelname)s %(message)s"
 
 # Dense (no sparsity) tensor-core peak per GPU, TFLOP/s, by precision, from NVIDIA's datasheets
@@ -116,9 +118,10 @@ class JsonlWriter:
             self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the whole run
 
     def write(self, record: dict[str, Any]) -> None:
-        if self._f is not None:
-            self._f.write(json.dumps(record, sort_keys=False) + "\n")
-            self._f.flush()
+        if self._f is not None and self.path is not None:
+            with storage.guarded("writing metrics", self.path):
+                self._f.write(json.dumps(record, sort_keys=False) + "\n")
+                self._f.flush()
 
     def close(self) -> None:
         if self._f is not None:

@@ -10,9 +10,11 @@ import logging
 import math
 import os
 import random
+import re
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_train import checkpoint, distributed, exitcodes, stackdump, tbwriter
+from ddp_train import checkpoint, distributed, exitcodes, stackdump, storage, tbwriter
 from ddp_train.config import Config, ConfigError, dump_yaml
 from ddp_train.console import emit_line
 from ddp_train.data import (
@@ -154,7 +156,8 @@ class Trainer:
             else contextlib.nullcontext()
         )
         if env.is_main or cfg.debug.dump_indices:
-            cfg.run_dir.mkdir(parents=True, exist_ok=True)
+            with storage.guarded("creating the run directory", cfg.run_dir):
+                cfg.run_dir.mkdir(parents=True, exist_ok=True)
         index_log = cfg.run_dir / f"indices-rank{env.rank}.jsonl" if cfg.debug.dump_indices else None
         train_set = build_dataset(cfg)
         val_set = build_val_dataset(cfg, train_set) if cfg.eval.interval_steps else None
@@ -389,7 +392,9 @@ class Trainer:
         show_bar = cfg.log.progress == "always" or (cfg.log.progress == "auto" and sys.stderr.isatty())
         bar = ProgressBar(total, show_bar and env.is_main)
         attach_progress_bar(log, bar)
-        writer = JsonlWriter(cfg.run_dir / "metrics.jsonl" if env.is_main and cfg.log.jsonl else None)
+        metrics = cfg.run_dir / "metrics.jsonl"
+        with storage.guarded("opening the metrics file", metrics):
+            writer = JsonlWriter(metrics if env.is_main and cfg.log.jsonl else None)
         writer = tbwriter.tee(writer, cfg, env.is_main)  # + TensorBoard when log.tensorboard
         self._log_start()
         meter = self.meter = StepMeter(self.device.type == "cuda", bar, writer)
@@ -461,7 +466,8 @@ class Trainer:
         cfg, env = self.cfg, self.env
         if not env.is_main:
             return
-        (cfg.run_dir / "config.yaml").write_text(dump_yaml(cfg), encoding="utf-8")
+        with storage.guarded("writing the run's config", cfg.run_dir / "config.yaml"):
+            (cfg.run_dir / "config.yaml").write_text(dump_yaml(cfg), encoding="utf-8")
         log.info(
             "world=%d device=%s backend=%s model=%s params=%d flops/token=%.3g step=%d/%d "
             "batches/epoch/rank=%d",
@@ -615,6 +621,41 @@ def make_dump_dirs(environ: Any = None) -> None:
                 log.warning("%s: cannot create %s for NCCL trace dumps: %s", name, directory, exc)
 
 
+# What gloo, NCCL and the TCPStore raise in a rank whose peer died or closed its connections (gloo
+# tcp/pair.cc "Connection closed by peer ... typically caused by a remote worker crash"; c10d's
+# DistNetworkError from the store's socket; NCCL's aborted communicator).
+PEER_GONE = re.compile(
+    r"closed by peer|reset by peer|remote worker|Broken pipe|Connection refused|communicator was aborted|"
+    r"Failed to recv|Socket Timeout",
+    re.IGNORECASE,
+)
+
+
+def consequence(exc: BaseException, signum: int | None) -> str | None:
+    """Why `exc` is the consequence of another rank's failure or of a stop, in a few words; None when
+    it is this rank's own failure (then its traceback is the report)."""
+    chain: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+    lost = any(isinstance(e, torch.distributed.DistNetworkError) or PEER_GONE.search(str(e)) for e in chain)
+    if signum is not None:
+        name = signal.Signals(signum).name
+        how = "a peer went away" if lost else "it failed"
+        return f"{name} received during a collective, then {how}: {type(exc).__name__}: {first}"
+    if lost:
+        return f"a peer rank went away (its host log has the cause): {type(exc).__name__}: {first}"
+    return None
+
+
+def indented_traceback(exc: BaseException) -> str:
+    """The traceback with every line indented: nothing in it reads as the rank's own error line."""
+    lines = "".join(traceback.format_exception(exc)).splitlines()
+    return "".join((ln if ln.startswith(("Traceback", " ")) else "  " + ln) + "\n" for ln in lines)
+
+
 def run(cfg: Config, source: str = "config") -> int:
     """Run one rank (alone or under torchrun): set up the process group, train, tear it down."""
     stop = StopRequest()
@@ -634,11 +675,28 @@ def run(cfg: Config, source: str = "config") -> int:
         code = trainer.fit()
         distributed.barrier()  # no rank tears down its connections while a peer still uses them
         return code
+    except storage.StorageError as exc:
+        if not exc.kept:
+            exc = exc.with_kept(checkpoint.kept(cfg.checkpoint_dir))
+        emit_line(f"ddp-train: error: {exc}", sys.stderr)
+        return exitcodes.BAD_INPUT
     except ConfigError as exc:
         if exc.source == "config":
             exc = ConfigError(source, exc.field, exc.message)
         emit_line(f"ddp-train: error: {exc}", sys.stderr)
         return exitcodes.BAD_INPUT
+    except distributed.PeerFailure as exc:
+        emit_line(f"ddp-train: stopped: {exc}", sys.stderr)
+        return 128 + stop.signum if stop.signum else exitcodes.FAILURE
+    except Exception as exc:
+        why = consequence(exc, stop.signum)
+        if why is None:
+            raise
+        # the traceback for the host log (ddp-launch keeps indented traceback lines off its console),
+        # then the one line that says why this rank failed
+        sys.stderr.write(indented_traceback(exc))
+        emit_line(f"ddp-train: stopped: {why}", sys.stderr)
+        return 128 + stop.signum if stop.signum else exitcodes.FAILURE
     finally:
         # DDP's reducer keeps the process group alive; free it now, while the interpreter is intact
         # (a gloo group destroyed during interpreter shutdown can abort the process with SIGABRT).

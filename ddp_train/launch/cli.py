@@ -245,6 +245,21 @@ def _parser(doctor: bool) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of ddp-launch."""
+    try:
+        return _main(argv)
+    except OSError as e:
+        # the launcher's own writes (logs/<job>/, job.json, the monitor's files): a disk that refuses
+        # them is one line with the path and its free space, exit 2, not a traceback
+        from ddp_train.storage import StorageError, disk_error
+
+        cause = disk_error(e)
+        if cause is None:
+            raise
+        path = cause.filename if isinstance(cause.filename, str) else "logs"
+        return _usage(str(StorageError("writing the job's logs and state", path, cause)))
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == [MONITOR_ARGS]:  # a detached monitor: its arguments come in a 0600 file, not argv
         from ddp_train.launch.jobcmds import read_monitor_args
@@ -602,7 +617,7 @@ def _launch_job(plan: JobPlan, opts: argparse.Namespace, log: JobLog, state: Pat
     from ddp_train.launch.fanout import parallel
     from ddp_train.launch.job import Job
     from ddp_train.launch.plan import command
-    from ddp_train.launch.preflight import run_preflight
+    from ddp_train.launch.preflight import check_space, run_preflight
     from ddp_train.launch.remote import RemoteError, open_session
     from ddp_train.launch.watchdog import StallWatch
 
@@ -622,6 +637,8 @@ def _launch_job(plan: JobPlan, opts: argparse.Namespace, log: JobLog, state: Pat
             report = run_preflight(
                 plan, connect_timeout=opts.connect_timeout, net_timeout=opts.net_timeout, sessions=sessions
             )
+            if not plan.script and (cfg := _trainer_config(plan, opts)) is not None:
+                check_space(report.checks, cfg, opts.strict)  # rank 0's disk: two checkpoints + best.pt
             sessions = report.sessions()
             for line in report.warning_lines():
                 log.note(f"preflight warning: {line}")
@@ -684,6 +701,16 @@ def _launch_job(plan: JobPlan, opts: argparse.Namespace, log: JobLog, state: Pat
         return code
     finally:
         log.close()
+
+
+def _trainer_config(plan: JobPlan, opts: argparse.Namespace) -> Any:
+    """The trainer's resolved config (--config and --set), or None when it cannot be read here."""
+    try:
+        from ddp_train.config import ConfigError, load_config
+
+        return load_config(plan.config, list(opts.overrides or []))
+    except (ImportError, ConfigError):
+        return None
 
 
 def _check_backend(plan: JobPlan, report: Any, log: JobLog) -> bool:

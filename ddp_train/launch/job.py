@@ -43,7 +43,7 @@ EXIT_OK, EXIT_FAILED, EXIT_TIMEOUT = 0, 1, 124
 # A node whose error only says a peer went away is a victim, not the cause.
 PEER_FAILURE = re.compile(
     r"closed by peer|reset by peer|remote worker|Broken pipe|Connection refused|communicator was aborted|"
-    r"Socket Timeout|timed out|TCPStore|rendezvous",
+    r"Socket Timeout|timed out|TCPStore|rendezvous|ddp-train: stopped: ",
     re.IGNORECASE,
 )
 OUR_SIGNAL = re.compile(r"SignalException|got signal: 15")  # what torchrun says after our SIGTERM
@@ -172,6 +172,7 @@ class Job:
         self.signal_count = 0
         self.reason = ""
         self.first: NodeRun | None = None
+        self.stalled = False  # the stall watchdog stopped the job
         self.launched = False
 
     # ---- entry point ------------------------------------------------------------------------------
@@ -246,6 +247,7 @@ class Job:
                 finished += 1
                 if r.failed and self.first is None:
                     self.first = r
+                    self._await_cause(r)
                     self.log.note(f"{r.plan.label} failed: {self._describe_end(r)}; stopping every node")
                     self._teardown()
                     cause = self._root_cause()
@@ -273,6 +275,7 @@ class Job:
         )
         self.log.note(found)
         self.reason = f"{stall}; {found}"
+        self.stalled = True
         self.first = next((r for r in self.runs if self.watch.suspect_host == r.name), None)
         self._teardown()
         return self.watch.EXIT_CODE
@@ -369,6 +372,17 @@ class Job:
             if not PEER_FAILURE.search(err) and not OUR_SIGNAL.search(err):
                 return r
         return first
+
+    def _await_cause(self, r: NodeRun) -> None:
+        """A first failure that only reports a lost peer: give the node that caused it up to
+        ROOT_CAUSE_WINDOW_S to end by itself (with its own exit code and line) before the teardown's
+        TERM reaches it."""
+        if r.lost or r.error or not PEER_FAILURE.search(first_error(self.log.tail(r.name)) or ""):
+            return
+        deadline = time.monotonic() + ROOT_CAUSE_WINDOW_S
+        others = [o for o in self.runs if o is not r and o.started]
+        while time.monotonic() < deadline and not any(o.done.is_set() and o.failed for o in others):
+            time.sleep(0.05)
 
     def _describe_end(self, r: NodeRun) -> str:
         err = first_error(self.log.tail(r.name))
@@ -570,15 +584,36 @@ class Job:
         """After a stop: every node ended as asked (its ranks saved), so the job can resume."""
         return bool(self.stop_signal) and len(self._stopped_cleanly()) == len(self.runs)
 
+    def _consequence(self, r: NodeRun, err: str | None) -> str | None:
+        """FIRST ERROR of a node that failed only because the job was stopped (stall watchdog) or
+        another node failed first: that reason, not the lost connection it saw."""
+        root = self.first
+        if self.stalled:
+            if r is root:
+                return err or "stalled: no progress (the watchdog's stacks name it)"
+            return "stopped by the stall watchdog" if r.failed or r.signalled else err
+        if root is None or r is root or r.error or r.lost or not r.failed:
+            return err
+        if r.signalled or (err and (PEER_FAILURE.search(err) or OUR_SIGNAL.search(err))):
+            return f"stopped: rank {root.plan.rank} failed ({root.name})"
+        return err
+
     def _summary(self, code: int, leftovers: dict[str, list[str]], elapsed: float) -> None:
         rows = []
         clean = self._stopped_cleanly()
         for r in self.runs:
             err = r.error or (first_error(self.log.tail(r.name)) if r.failed or r.signalled else None)
-            if r in clean:
-                err = None  # a node that stopped as asked has no error to show
+            # a node that stopped as asked has no error to show
+            err = None if r in clean else self._consequence(r, err)
             rows.append([r.name, r.plan.rank, r.status(), one_line(err or "", 100)])
         self.log.block(table(["HOST", "RANK", "STATUS", "FIRST ERROR"], rows))
+        for r in self.runs:
+            hidden = self.log.hidden.get(r.name, 0)
+            if hidden and r.failed:
+                self.log.note(
+                    f"{r.name}: {hidden} traceback line(s) kept off the console: "
+                    f"ddp-launch logs {self.plan.job_id} --node {r.name}"
+                )
         if code == EXIT_OK and not leftovers:
             verdict = "succeeded"
         elif self.stop_signal and len(clean) == len(self.runs) and not leftovers:

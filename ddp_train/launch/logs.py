@@ -20,9 +20,11 @@ from typing import IO, Any
 from ddp_train.launch.jobstate import open_private, private_dir, write_private
 from ddp_train.launch.plan import mask_text
 
-# Lines that tell why a node failed, best first: a signal that killed a worker (torchrun's root cause),
+# Lines that tell why a node failed, best first: the trainer's one-line reason, a signal that killed a
+# worker (torchrun's root cause),
 # an exception or error message of the trainer, torchrun's exit code report, then anything error-like.
 _RANKED = (
+    re.compile(r"ddp-train: (error|stopped): "),  # the trainer's own one-line reason (trainer.run)
     re.compile(r"Signal \d+ \(SIG\w+\) received by PID \d+"),
     re.compile(
         r"(?<![\w.])(?:\w+\.)*(?!ChildFailedError|SignalException)\w*(Error|Exception): \S|"
@@ -35,6 +37,14 @@ _RANKED = (
     ),
 )
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")  # what may appear in a log file name as is
+# Kept off the console (the host log has them): the body of a Python traceback up to its exception line,
+# which is shown, and the C++ frames c10d prints under a warning.
+_RANK_PREFIX = re.compile(r"^\[(?:rank\d+|default\d*)\]: ?")  # torch's "[rank1]: " before worker lines
+_TRACEBACK_START = re.compile(
+    r"^(Traceback \(most recent call last\):|During handling of the above exception|"
+    r"The above exception was the direct cause|Exception ignored in)"
+)
+_CPP_FRAME = re.compile(r"^(frame #\d+: |Exception raised from |<omitting python frames>)")
 _NOISE = re.compile(r"^\s*(Traceback \(most recent call last\)|File \"|raise |\^+$|warnings\.warn)|Warning:")
 
 
@@ -66,6 +76,8 @@ class JobLog:
         self._lock = threading.Lock()
         self._files: dict[str, IO[str]] = {}
         self._tail: dict[str, list[str]] = {}
+        self._in_traceback: dict[str, bool] = {}
+        self.hidden: dict[str, int] = {}  # per host: traceback lines written to its log, not the console
         self._launcher = _append(self.dir / "launcher.log")
         self.live = ""  # the one live status line kept under the scrolling output on a TTY (set_live)
         try:
@@ -108,8 +120,22 @@ class JobLog:
             tail.append(text)
             if len(tail) > 400:
                 del tail[:200]
-            if not self.quiet:
+            if self._traceback_line(host, text):
+                self.hidden[host] = self.hidden.get(host, 0) + 1
+            elif not self.quiet:
                 self._write(shown + "\n")
+
+    def _traceback_line(self, host: str, text: str) -> bool:  # with the lock held
+        """True for a line inside a traceback (its exception line excepted) or a C++ frame."""
+        body = _RANK_PREFIX.sub("", text, count=1)
+        if _TRACEBACK_START.match(body) or _CPP_FRAME.match(body):
+            self._in_traceback[host] = True
+            return True
+        if self._in_traceback.get(host):
+            if not body.strip() or body[:1].isspace():
+                return True
+            self._in_traceback[host] = False  # the exception line ends it and is shown
+        return False
 
     def tail(self, host: str) -> list[str]:
         with self._lock:

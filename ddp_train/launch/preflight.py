@@ -694,3 +694,102 @@ def _unreachable(key: str, result: str) -> str:
         f"cannot reach {peer} at {ip}:{port}, an OS-chosen ephemeral port as gloo/NCCL use: "
         f"{result}{hint}; {fix}"
     )
+
+
+# Free space where rank 0 will write: each directory (relative to the node's working directory) or its
+# nearest existing parent, as shutil.disk_usage sees it.
+SPACE = r"""
+import json, os, shutil, sys
+cwd, dirs = sys.argv[1], json.loads(sys.argv[2])
+if cwd:
+    os.chdir(cwd)
+r = {}
+for d in dirs:
+    p = os.path.abspath(os.path.expanduser(d))
+    while not os.path.exists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    try:
+        u = shutil.disk_usage(p)
+        r[d] = [p, u.free, u.total]
+    except OSError as e:
+        r[d] = str(e)
+print("DDP-SPACE " + json.dumps(r), flush=True)
+"""
+
+
+FILE_OVERHEAD = (
+    64 * 1024
+)  # per file beyond the tensors: zip records, config, RNG and data state (measured ~5-25 KiB)
+
+
+def checkpoint_bytes(cfg: Any) -> tuple[int, int] | None:
+    """(one checkpoint, best.pt) in bytes, estimated from the model's parameters: fp32 weights, plus
+    AdamW's two moments (SGD's one momentum buffer) per weight in a checkpoint; best.pt holds the
+    weights only (trainer.best_state). The model is built on the meta device: no memory, no data.
+    None when the model cannot be built here (a plug-in that needs the nodes)."""
+    try:
+        import torch
+
+        from ddp_train.models import build_model
+
+        with torch.device("meta"):
+            model = build_model(cfg)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    except Exception:  # noqa: BLE001 - an estimate only: the trainer reports what really fails
+        return None
+    moments = 2 if cfg.train.optimizer == "adamw" else (1 if cfg.train.momentum else 0)
+    return weights * (1 + moments) + FILE_OVERHEAD, weights + FILE_OVERHEAD
+
+
+def check_space(checks: list[NodeCheck], cfg: Any, strict: bool) -> None:
+    """On rank 0's node, which writes them: room under checkpoint.dir for two checkpoints (the newest
+    and the one being written) and under run.dir for best.pt. A warning naming the path and its free
+    space; a failure with --strict."""
+    sizes = checkpoint_bytes(cfg)
+    c = next((c for c in checks if c.plan.rank == 0 and c.session is not None and c.facts), None)
+    if sizes is None or c is None:
+        return
+    ckpt, best = sizes
+    run_dir = posixpath.join(cfg.run.dir, cfg.run.name)
+    ckpt_dir = cfg.checkpoint.dir or posixpath.join(run_dir, "checkpoints")
+    need, labels = {ckpt_dir: 2 * ckpt}, {ckpt_dir: "two checkpoints"}
+    if cfg.eval.keep_best and cfg.eval.interval_steps:
+        need[run_dir] = need.get(run_dir, 0) + best
+        labels[run_dir] = "two checkpoints and best.pt" if run_dir == ckpt_dir else "best.pt"
+    cmd = node_python(c.plan.node, SPACE, c.plan.cwd or "", json.dumps(list(need)))
+    try:
+        _, out = c.session.exec(cmd, timeout=60)  # type: ignore[union-attr]
+    except RemoteError as e:
+        c.warnings.append(f"free space not checked: {one_line(str(e))}")
+        return
+    lines = [ln for ln in out.splitlines() if ln.startswith("DDP-SPACE ")]
+    if not lines:
+        c.warnings.append(f"free space not checked: {one_line(out) or 'no answer'}")
+        return
+    found = json.loads(lines[-1][len("DDP-SPACE ") :])
+    mounts: dict[str, list[Any]] = {}  # filesystem (nearest existing dir) -> [bytes needed, free, dirs]
+    for d, n in need.items():
+        st = found.get(d)
+        if not isinstance(st, list):
+            c.warnings.append(f"free space of {d} not checked: {st}")
+            continue
+        entry = mounts.setdefault(st[0], [0, st[1], []])
+        entry[0] += n
+        entry[2].append(d)
+    best_text = f", {_mib(best)} best.pt" if len(labels) > 1 or run_dir == ckpt_dir else ""
+    for where, (needed, free, dirs) in mounts.items():
+        if free >= needed:
+            continue
+        what = " and ".join(labels[d] for d in dirs)
+        msg = (
+            f"{', '.join(dirs)} ({where}): {_mib(free)} free, less than {what} need ({_mib(needed)}: "
+            f"{_mib(ckpt)} per checkpoint{best_text}, estimated from the model's parameters and "
+            "optimizer state); a full disk stops the job at a save"
+        )
+        (c.fail if strict else c.warnings.append)(msg)
+
+
+def _mib(n: float) -> str:
+    from ddp_train.storage import size_text
+
+    return size_text(n)

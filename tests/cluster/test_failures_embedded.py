@@ -1,0 +1,61 @@
+"""#32 on the embedded cluster (inventory/local): a failed job's console names the cause in one line
+with its path; the other rank's consequence is 'stopped: ...', its traceback in the host log only."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ddp_train import checkpoint
+from tests.cluster.test_launch_embedded import start
+from tests.integration.test_failures_disk import tmpfs
+
+pytestmark = pytest.mark.slow
+
+TABLE_ROW = re.compile(r"^(local\d)\s+(\d)\s+(exit \d+.*?)\s{2,}(.*)$", re.M)
+
+
+def rows(out: str) -> dict[str, str]:
+    return {m[1]: m[4] for m in TABLE_ROW.finditer(out)}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs (root only)")
+def test_disk_full_run_dir_is_one_line_with_its_path_and_a_short_console(tmp_path: Path) -> None:
+    with tmpfs(tmp_path / "full", "size=1m") as full:
+        args = ["--set", f"run.dir={full}", "--set", "train.max_steps=200"]
+        proc = start(["--job-id", "fe-full", *args], tmp_path)
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 1, out
+        lines = out.splitlines()
+        errors = [ln for ln in lines if re.match(r"\[local0 r0\] ddp-train: error: ", ln)]
+        assert len(errors) == 1, out
+        assert f" free of 1.0 MiB on {full}; checkpoint step " in errors[0] and "(ENOSPC)" in errors[0], out
+        kept = Path(re.search(r"checkpoint step \d+ is intact \((\S+)\)", errors[0])[1])
+        assert checkpoint.load(kept)  # the previous checkpoint is intact
+        assert rows(out)["local1"] == "stopped: rank 0 failed (local0)", out
+        assert "Traceback" not in out and "frame #" not in out, out
+        # the cause, the consequences and the summary: the trainer's progress lines aside, under 20 lines
+        assert len([ln for ln in lines if " INFO " not in ln]) <= 20, out
+        subprocess.run(["mount", "-o", "remount,size=64m", str(full)], check=True)
+        again = start(["--job-id", "fe-full2", *args], tmp_path)
+        out2, _ = again.communicate(timeout=300)
+        assert again.returncode == 0, out2
+        assert f"resumed from {kept}" in out2, out2
+
+
+def test_stall_first_error_of_the_other_rank_is_the_watchdog_not_a_traceback(tmp_path: Path) -> None:
+    args = ["--job-id", "fe-stall", "--env", "DDP_DEBUG_STALL=1:20", "--stall-timeout", "15"]
+    proc = start([*args, "--set", f"run.dir={tmp_path / 'runs'}"], tmp_path)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 4, out
+    table = rows(out)
+    assert table["local0"] == "stopped by the stall watchdog", out
+    assert table["local1"].startswith("stalled"), out
+    assert "Traceback" not in out, out
+    host_log = (tmp_path / "logs" / "fe-stall" / "local0.log").read_text()
+    assert "Traceback (most recent call last)" in host_log  # kept, in the host log only
+    assert "ddp-launch logs fe-stall --node local0" in out, out

@@ -1,0 +1,226 @@
+"""#32: a failed job's console shows the cause and keeps the consequences' tracebacks in the host logs."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+import ddp_train.trainer as trainer
+from ddp_train import agent
+from ddp_train.launch.job import EXIT_FAILED, Job
+from ddp_train.launch.logs import JobLog, first_error
+from ddp_train.launch.plan import Options, build_plan
+from tests.unit.test_launch_plan import node
+
+# what rank 0 printed in the stall case of #32 (the trainer's traceback indented), then rank 1's
+# c10d warning with its C++ frames as the disk-full case showed them
+STALL_RANK0 = """\
+[rank0]:[W1203 21:43:44.5 TCPStore.cpp:138] [c10d] recvValueWithTimeout failed on SocketImpl(fd=4)
+Exception raised from recvBytes at /__w/torch/csrc/distributed/c10d/Utils.hpp:787 (most recent call first):
+frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x9d (0x7fdc35d79b8d in libc10.so)
+frame #1: c10::DistError::DistError(c10::SourceLocation, std::string) + 0x72 (0x7fdc35d7ab62 in libc10.so)
+<omitting python frames>
+frame #23: __libc_start_main + 0x85 (0x7fdc37245305 in /lib/x86_64-linux-gnu/libc.so.6)
+
+Traceback (most recent call last):
+  File "/w/ddp_train/trainer.py", line 633, in run
+    code = trainer.fit()
+           ^^^^^^^^^^^^^
+  RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:64150
+ddp-train: stopped: SIGTERM received during a collective, then a peer went away: RuntimeError: closed by peer
+W1203 21:43:44.5 elastic/agent/server/api.py:753] Received 15 death signal, shutting down workers
+"""
+
+
+def test_console_keeps_traceback_bodies_and_cpp_frames_for_the_host_log(tmp_path: Path) -> None:
+    console = tmp_path / "console.txt"
+    with console.open("w") as out:
+        log = JobLog(tmp_path / "logs", "j", console=out)
+        for line in STALL_RANK0.splitlines():
+            log.line("local0", "local0 r0", line)
+        log.line("local1", "local1 r1", "[rank1]: Traceback (most recent call last):")
+        log.line("local1", "local1 r1", '[rank1]:   File "x.py", line 3, in <module>')
+        log.line("local1", "local1 r1", "[rank1]: OSError: [Errno 28] No space left on device")
+        log.close()
+    shown = console.read_text().splitlines()
+    assert shown == [
+        "[local0 r0] [rank0]:[W1203 21:43:44.5 TCPStore.cpp:138] [c10d] recvValueWithTimeout failed on "
+        "SocketImpl(fd=4)",
+        "[local0 r0] ddp-train: stopped: SIGTERM received during a collective, then a peer went away: "
+        "RuntimeError: closed by peer",
+        "[local0 r0] W1203 21:43:44.5 elastic/agent/server/api.py:753] Received 15 death signal, shutting "
+        "down workers",
+        "[local1 r1] [rank1]: OSError: [Errno 28] No space left on device",
+    ]
+    assert log.hidden == {"local0": len(STALL_RANK0.splitlines()) - 3, "local1": 2}
+    host_log = (tmp_path / "logs" / "j" / "local0.log").read_text()
+    assert host_log.count("\n") == len(STALL_RANK0.splitlines()) and "frame #23:" in host_log
+
+
+def test_first_error_prefers_the_trainers_own_line() -> None:
+    lines = STALL_RANK0.splitlines() + ["  traceback : Signal 15 (SIGTERM) received by PID 31371"]
+    assert first_error(lines).startswith("ddp-train: stopped: SIGTERM received during a collective")
+
+
+def test_trainer_traceback_is_indented_and_consequences_are_named() -> None:
+    try:
+        raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1. remote worker crash")
+    except RuntimeError as exc:
+        text, why = trainer.indented_traceback(exc), trainer.consequence(exc, None)
+        sigterm = trainer.consequence(exc, 15)
+    assert text.startswith("Traceback (most recent call last):\n")
+    assert all(ln.startswith(" ") for ln in text.splitlines()[1:]), text
+    assert why == (
+        "a peer rank went away (its host log has the cause): RuntimeError: [pair.cc:553] Connection closed "
+        "by peer [127.0.0.1]:1. remote worker crash"
+    )
+    assert sigterm.startswith("SIGTERM received during a collective, then a peer went away: RuntimeError:")
+    assert (
+        trainer.consequence(ValueError("a bug of this rank"), None) is None
+    )  # its own failure: traceback stays
+
+
+def summary_errors(tmp_path: Path, setup) -> dict[str, str | None]:  # noqa: ANN001 - a callable
+    plan = build_plan([node("n0", "10.0.0.1"), node("n1", "10.0.0.2")], Options(job_id="j"))
+    j = Job(plan, JobLog(tmp_path, "j", quiet=True))
+    setup(j)
+    j._summary(EXIT_FAILED, {}, 1.0)
+    data = json.loads((tmp_path / "j" / "summary.json").read_text())
+    return {n["host"]: n["first_error"] for n in data["nodes"]}
+
+
+def test_first_error_of_a_consequence_names_the_failed_rank_or_the_watchdog(tmp_path: Path) -> None:
+    def failed(j: Job) -> None:
+        n0, n1 = j.runs
+        j.log.line("n0", "n0 r0", "ddp-train: error: /r/best.pt: saving best.pt of step 40 failed: No space")
+        j.log.line(
+            "n1",
+            "n1 r1",
+            "[rank1]: TimeoutError: rank 0 did not finish its checkpoint I/O (DistNetworkError)",
+        )
+        n0.code, n1.code, n1.signalled, n0.ended = 2, 143, "SIGTERM from ddp-launch", time.monotonic()
+        j.first = n0
+
+    errors = summary_errors(tmp_path / "a", failed)
+    assert errors == {
+        "n0": "ddp-train: error: /r/best.pt: saving best.pt of step 40 failed: No space",
+        "n1": "stopped: rank 0 failed (n0)",
+    }
+
+    def stalled(j: Job) -> None:
+        n0, n1 = j.runs
+        j.log.line(
+            "n0", "n0 r0", "[rank0]: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:64150"
+        )
+        n0.code = n1.code = 143
+        n0.signalled = n1.signalled = "SIGTERM from ddp-launch"
+        j.stalled, j.first = True, n1
+
+    errors = summary_errors(tmp_path / "b", stalled)
+    assert errors["n0"] == "stopped by the stall watchdog"
+    assert errors["n1"].startswith("stalled")
+
+
+def test_agent_reports_a_failed_worker_in_one_line_with_its_exit_code(capsys: pytest.CaptureFixture) -> None:
+    failure = ProcessFailure(local_rank=0, pid=123, exitcode=2, error_file="<N/A>")
+    assert agent._failed_line(ChildFailedError("ddp_train", {3: failure})) == 2
+    assert capsys.readouterr().err == "ddp-agent: worker rank 3 (local rank 0) failed first: exit code 2\n"
+    killed = ProcessFailure(local_rank=1, pid=124, exitcode=-9, error_file="<N/A>")
+    assert agent._failed_line(ChildFailedError("ddp_train", {1: killed})) == 137
+    assert "Signal 9 (SIGKILL) received by PID 124" in capsys.readouterr().err
+
+
+def test_storage_error_finds_the_disk_error_behind_torch_saves_runtime_error(tmp_path: Path) -> None:
+    from ddp_train import storage  # new in #32: the other tests here run on the old code too
+
+    with (
+        pytest.raises(storage.StorageError) as caught,
+        storage.guarded("saving x", tmp_path / "x.pt", "kept"),
+    ):
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError:
+            raise RuntimeError(
+                "[enforce fail at inline_container.cc:672] . unexpected pos 19968 vs 19920"
+            ) from None
+    # `from None` still keeps __context__: what torch's zip writer leaves
+    assert str(caught.value).startswith(
+        f"{tmp_path / 'x.pt'}: saving x failed: No space left on device (ENOSPC); "
+    )
+    assert str(caught.value).endswith("; kept") and " free of " in str(caught.value)
+    with pytest.raises(ValueError), storage.guarded("saving x", tmp_path / "x.pt"):
+        raise ValueError("not a disk's fault")
+
+
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="mounts a tmpfs (root only)")
+def test_a_read_only_log_dir_is_one_line_with_its_path_exit_2(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from tests.integration.test_failures_disk import tmpfs
+
+    repo = Path(__file__).resolve().parents[2]
+    with tmpfs(tmp_path / "ro", "size=64k,ro") as ro:
+        res = subprocess.run(
+            [str(Path(sys.executable).parent / "ddp-launch"), "--hosts", str(repo / "inventory" / "local"),
+             "--job-id", "ro-logs", "--log-dir", str(ro)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    assert res.stderr == (
+        f"ddp-launch: error: {ro}/ro-logs: writing the job's logs and state failed: Read-only file system "
+        f"(EROFS); 64.0 KiB free of 64.0 KiB on {ro}\n"
+    )
+
+
+def test_a_consequence_failing_first_waits_briefly_for_its_cause(tmp_path: Path) -> None:
+    import threading
+
+    plan = build_plan([node("n0", "10.0.0.1"), node("n1", "10.0.0.2")], Options(job_id="j"))
+    j = Job(plan, JobLog(tmp_path, "j", quiet=True))
+    n0, n1 = j.runs
+    n0.started = n1.started = True
+    n1.code = 1
+    j.log.line("n1", "n1 r1", "ddp-train: stopped: rank 0 failed: /r/best.pt: saving best.pt failed")
+
+    def rank0_ends() -> None:
+        time.sleep(0.3)
+        n0.code = 2
+        n0.done.set()
+
+    threading.Thread(target=rank0_ends).start()
+    t0 = time.monotonic()
+    j._await_cause(n1)  # before the teardown: rank 0 exits 2 by itself, not by the launcher's TERM
+    assert n0.done.is_set() and 0.25 < time.monotonic() - t0 < 1.5
+    j.log.line("n0", "n0 r0", "ddp-train: error: /r/best.pt: saving best.pt failed")
+    t0 = time.monotonic()
+    j._await_cause(n0)  # its own failure: no wait
+    assert time.monotonic() - t0 < 0.1
+
+
+def test_a_ranks_stack_dump_file_is_removed_at_exit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The atexit removal got fdopen's name, the descriptor: a TypeError traceback on every rank's exit."""
+    import atexit
+
+    from ddp_train import stackdump
+
+    private = tmp_path / "agent"
+    private.mkdir(mode=0o700)
+    registered: list[tuple] = []
+    monkeypatch.setattr(atexit, "register", lambda f, *a: registered.append((f, a)))
+    monkeypatch.setenv(stackdump.STACK_DIR_ENV, str(private))
+    monkeypatch.setattr(stackdump, "_file", None)
+    stackdump.install(5)
+    try:
+        assert (private / "r5.txt").exists() and len(registered) == 1
+        func, args = registered[0]
+        func(*args)
+        assert not (private / "r5.txt").exists()
+    finally:
+        if stackdump._file is not None:
+            stackdump._file.close()
+        monkeypatch.setattr(stackdump, "_file", None)

@@ -1,0 +1,55 @@
+"""#32 item 4: preflight checks that rank 0's node has room for two checkpoints and best.pt."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddp_train.config import load_config
+from ddp_train.launch.plan import Options, build_plan
+from ddp_train.launch.preflight import NodeCheck, checkpoint_bytes
+from tests.integration.test_failures_disk import tmpfs
+from tests.unit.test_launch_plan import node
+
+
+class LocalSession:
+    """Runs a command here, as a local node's session does."""
+
+    def exec(self, cmd: str, timeout: float) -> tuple[int, str]:
+        res = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=timeout)
+        return res.returncode, res.stdout + res.stderr
+
+
+def check(tmp_path: Path, run_dir: Path, strict: bool) -> NodeCheck:
+    from ddp_train.launch.preflight import check_space  # new in #32
+
+    plan = build_plan([node("n0", "10.0.0.1", venv=sys.prefix)], Options(job_id="j"))
+    c = NodeCheck(plan.nodes[0], session=LocalSession(), facts={"python": "3"})  # type: ignore[arg-type]
+    check_space([c], load_config(None, [f"run.dir={run_dir}"]), strict)
+    return c
+
+
+def test_estimate_is_weights_times_three_under_adamw_and_best_pt_the_weights() -> None:
+    cfg = load_config(None, [])
+    ckpt, best = checkpoint_bytes(cfg)
+    assert best == 21768 * 4 + 65536  # the default MLP's parameters in fp32 (the trainer's "params=21768")
+    assert ckpt == 3 * 21768 * 4 + 65536  # weights + AdamW's exp_avg and exp_avg_sq
+    assert checkpoint_bytes(load_config(None, ["train.optimizer=sgd", "train.momentum=0"]))[0] == best
+
+
+@pytest.mark.skipif(sys.platform != "linux" or __import__("os").geteuid() != 0, reason="mounts a tmpfs")
+def test_a_small_run_dir_is_a_warning_naming_it_and_a_failure_with_strict(tmp_path: Path) -> None:
+    with tmpfs(tmp_path / "small", "size=256k") as small:
+        c = check(tmp_path, small, strict=False)
+        assert c.failures == [] and len(c.warnings) == 1, c.warnings
+        warning = c.warnings[0]
+        assert warning.startswith(
+            f"{small}/default/checkpoints, {small}/default ({small}): 256.0 KiB free"
+        ), warning
+        assert "less than two checkpoints and best.pt need (787.2 KiB" in warning, warning
+        strict = check(tmp_path, small, strict=True)
+        assert strict.failures == [warning] and strict.warnings == []
+    assert check(tmp_path, tmp_path / "roomy", strict=True).failures == []
