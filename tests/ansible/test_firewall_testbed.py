@@ -87,10 +87,6 @@ def test_only_the_inventory_nodes_reach_the_training_ports(provisioned):
     tb, first, _ = provisioned
     assert first.returncode == 0, first.out[-4000:]
     node0, node1, node2 = tb.hosts()
-    table = " ".join(tb.exec(node2, "nft list table inet ddp_train").stdout.split())
-    assert "policy accept;" in table and "policy drop" not in table, table
-    assert f"elements = {{ {node0.train_ip}, {node1.train_ip}, {node2.train_ip} }}" in table, table
-
     ports = f"{MASTER_PORT} {RANGE_PORT} {EXPORTER_PORT}"
     listen = f"python3 {PROBE} listen 0.0.0.0 40 {ports} >/dev/null 2>&1 & sleep 1"
     tb.exec(node2, listen)
@@ -109,3 +105,6 @@ def test_only_the_inventory_nodes_reach_the_training_ports(provisioned):
     }
     # SSH stays open: a new connection from the controller (no ControlMaster socket of ansible's).
     assert tb.ssh(node2, "true", check=False).returncode == 0
+    table = " ".join(tb.exec(node2, "nft list table inet ddp_train").stdout.split())
+    assert "policy accept;" in table and "policy drop" not in table, table
+    assert f"elements = {{ {node0.train_ip}, {node1.train_ip}, {node2.train_ip} }}" in table, table
