@@ -46,7 +46,9 @@ def _inventory(tmp_path, addresses: dict[str, str]) -> str:
 
 
 def test_port_range_policy_opens_each_training_port_to_the_cluster_only(playbook, tmp_path):
-    rules = _rules(playbook, tmp_path, firewall_extra_tcp_ports=[9100], firewall_trusted_sources=["10.1.0.0/24"])
+    rules = _rules(
+        playbook, tmp_path, firewall_extra_tcp_ports=[9100], firewall_trusted_sources=["10.1.0.0/24"]
+    )
     assert rules == [
         f'{SRC} port port="29500" protocol="tcp" accept',
         f'{SRC} port port="9100" protocol="tcp" accept',
@@ -64,7 +66,7 @@ def test_trusted_sources_policy_accepts_the_sources_and_nothing_else(playbook, t
         __firewall_live_port_range={"content": base64.b64encode(b"32768\t60999\n").decode()},
     )
     assert got["rich_rules"] == [f'rule family="ipv4" source address="{s}" accept' for s in sources]
-    # nftables: the sources reach everything; the kernel's live ephemeral range (gloo/NCCL) is closed to others.
+    # nftables: the sources reach everything; the live ephemeral range (gloo/NCCL) is closed to others.
     assert "\t\tip saddr @cluster_sources accept\n" in got["nft"]
     assert 'tcp dport 32768-60999 counter drop comment "ddp-train: not a cluster source"' in got["nft"]
 
