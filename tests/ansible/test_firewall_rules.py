@@ -106,3 +106,34 @@ def test_the_nftables_table_decides_only_its_own_ports(playbook, tmp_path):
         'tcp dport { 29500 } counter drop comment "ddp-train: not a cluster source"',
         'tcp dport 50000-51999 counter drop comment "ddp-train: not a cluster source"',
     ]
+
+
+# `ss -Hltnp` on a node whose sshd listens on 2222 (the controller reaches it on 22 through NAT).
+SS_NAT = [
+    'LISTEN 0      128      10.1.0.10:2222      0.0.0.0:*    users:(("sshd",pid=812,fd=3))',
+    'LISTEN 0      128           [::]:2222         [::]:*    users:(("sshd",pid=812,fd=4))',
+    'LISTEN 0      4096       0.0.0.0:9100      0.0.0.0:*    users:(("node_exporter",pid=77,fd=3))',
+]
+
+
+@pytest.mark.parametrize(
+    ("registered", "expected"),
+    [
+        ({"__firewall_ss": {"stdout_lines": SS_NAT}}, [2222]),
+        # socket-activated or not found by ss: what `sshd -T` says
+        (
+            {
+                "__firewall_ss": {"stdout_lines": []},
+                "__firewall_sshd_t": {"stdout_lines": ["port 2200", "x 1"]},
+            },
+            [2200],
+        ),
+        (
+            {"__firewall_ss": {"stdout_lines": SS_NAT}, "firewall_ssh_port": 2022},
+            [2022],
+        ),  # the admin's choice
+    ],
+)
+def test_the_ssh_port_is_the_one_sshd_listens_on_not_ansible_port(playbook, tmp_path, registered, expected):
+    got = _render(playbook, tmp_path, firewall_trusted_sources=["10.1.0.0/24"], ansible_port=22, **registered)
+    assert got["ssh_ports"] == expected
