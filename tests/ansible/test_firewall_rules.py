@@ -1,31 +1,54 @@
-"""The firewalld backend adds rich rules limited to the cluster's sources, so the zone's other traffic
-(NFS, Slurm, exporters) keeps the admin's rules; it never binds the training network to a zone of its own.
-(firewalld itself needs systemd, which no test host here runs: this checks the rules the role computes.)"""
+"""The rules the firewall role computes, rendered by the real ansible-core on localhost.
+
+firewalld: rich rules limited to the cluster's sources, so the zone's other traffic (NFS, Slurm,
+exporters) keeps the admin's rules; the training network is never bound to a zone of its own.
+nftables: a table that decides only the training ports (accept from the cluster, drop from anyone
+else) with policy accept, so a drop there never overrides the admin's other tables.
+By default the sources are the inventory nodes' own training addresses, not the whole subnet (#24).
+The behaviour on live hosts is tested in test_firewall_testbed.py."""
 
 from __future__ import annotations
 
+import base64
 import json
 import sys
 
 import pytest
+import yaml
 
 from tests.ansible.conftest import REPO_ROOT
 
 PLAY = str(REPO_ROOT / "tests" / "ansible" / "playbooks" / "firewall_rules.yml")
 SRC = 'rule family="ipv4" source address="10.1.0.0/24"'
+NODES = {"node0": "10.1.0.10", "node1": "10.1.0.11", "node2": "10.1.0.12"}
 
 
-def _rules(playbook, tmp_path, **extra) -> list[str]:
+def _render(playbook, tmp_path, inventory: str = "localhost,", **extra) -> dict:
     out = tmp_path / "rules.json"
     extra = {"ddp_network_cidr": "10.1.0.0/24", "rules_file": str(out), **extra}
     extra["ansible_python_interpreter"] = sys.executable
-    res = playbook("-i", "localhost,", "-c", "local", "-e", json.dumps(extra), PLAY)
+    res = playbook("-i", inventory, "-c", "local", "-e", json.dumps(extra), PLAY)
     assert res.returncode == 0, res.out[-2000:]
     return json.loads(out.read_text())
 
 
+def _rules(playbook, tmp_path, **extra) -> list[str]:
+    return _render(playbook, tmp_path, **extra)["rich_rules"]
+
+
+def _inventory(tmp_path, addresses: dict[str, str]) -> str:
+    """An inventory whose gpu_nodes carry the cluster_hosts_address facts cluster_hosts records."""
+    hosts = {name: {"cluster_hosts_address": ip} for name, ip in addresses.items()}
+    inv = {"all": {"hosts": {"localhost": None}, "children": {"gpu_nodes": {"hosts": hosts}}}}
+    path = tmp_path / "inventory.yml"
+    path.write_text(yaml.safe_dump(inv))
+    return str(path)
+
+
 def test_port_range_policy_opens_each_training_port_to_the_cluster_only(playbook, tmp_path):
-    rules = _rules(playbook, tmp_path, firewall_extra_tcp_ports=[9100])
+    rules = _rules(
+        playbook, tmp_path, firewall_extra_tcp_ports=[9100], firewall_trusted_sources=["10.1.0.0/24"]
+    )
     assert rules == [
         f'{SRC} port port="29500" protocol="tcp" accept',
         f'{SRC} port port="9100" protocol="tcp" accept',
@@ -35,7 +58,82 @@ def test_port_range_policy_opens_each_training_port_to_the_cluster_only(playbook
 
 @pytest.mark.parametrize("sources", [["10.1.0.0/24"], ["10.1.0.0/24", "10.2.0.5"]])
 def test_trusted_sources_policy_accepts_the_sources_and_nothing_else(playbook, tmp_path, sources):
-    rules = _rules(
-        playbook, tmp_path, firewall_ephemeral_policy="trusted_sources", firewall_trusted_sources=sources
+    got = _render(
+        playbook,
+        tmp_path,
+        firewall_ephemeral_policy="trusted_sources",
+        firewall_trusted_sources=sources,
+        __firewall_live_port_range={"content": base64.b64encode(b"32768\t60999\n").decode()},
     )
-    assert rules == [f'rule family="ipv4" source address="{s}" accept' for s in sources]
+    assert got["rich_rules"] == [f'rule family="ipv4" source address="{s}" accept' for s in sources]
+    # nftables: the sources reach everything; the live ephemeral range (gloo/NCCL) is closed to others.
+    assert "\t\tip saddr @cluster_sources accept\n" in got["nft"]
+    assert 'tcp dport 32768-60999 counter drop comment "ddp-train: not a cluster source"' in got["nft"]
+
+
+def test_by_default_only_the_inventory_nodes_are_trusted_not_the_subnet(playbook, tmp_path):
+    """Another host on ddp_network_cidr must not reach the unauthenticated TCPStore and gloo ports."""
+    got = _render(playbook, tmp_path, inventory=_inventory(tmp_path, NODES))
+    assert got["sources"] == list(NODES.values())
+    assert got["rich_rules"] == [
+        f'rule family="ipv4" source address="{ip}" port port="{port}" protocol="tcp" accept'
+        for ip in NODES.values()
+        for port in ("29500", "50000-51999")
+    ]
+    assert "elements = { 10.1.0.10, 10.1.0.11, 10.1.0.12 }" in got["nft"]
+    assert "10.1.0.0/24" not in got["nft"]
+
+
+def test_the_subnet_stays_an_explicit_choice(playbook, tmp_path):
+    got = _render(
+        playbook, tmp_path, inventory=_inventory(tmp_path, NODES), firewall_trusted_sources=["10.1.0.0/24"]
+    )
+    assert got["sources"] == ["10.1.0.0/24"]
+    assert "elements = { 10.1.0.0/24 }" in got["nft"]
+
+
+def test_the_nftables_table_decides_only_its_own_ports(playbook, tmp_path):
+    """No policy drop: a drop in any table is final and would override the admin's other accept rules."""
+    nft = _render(playbook, tmp_path, inventory=_inventory(tmp_path, NODES))["nft"]
+    chain = nft.split("chain input {", 1)[1].split("\n\t}", 1)[0]
+    rules = [line.strip() for line in chain.splitlines() if line.strip()]
+    assert rules == [
+        "type filter hook input priority filter; policy accept;",
+        "ct state established,related accept",
+        'iif "lo" accept',
+        "ip saddr @cluster_sources tcp dport { 29500 } accept",
+        "ip saddr @cluster_sources tcp dport 50000-51999 accept",
+        'tcp dport { 29500 } counter drop comment "ddp-train: not a cluster source"',
+        'tcp dport 50000-51999 counter drop comment "ddp-train: not a cluster source"',
+    ]
+
+
+# `ss -Hltnp` on a node whose sshd listens on 2222 (the controller reaches it on 22 through NAT).
+SS_NAT = [
+    'LISTEN 0      128      10.1.0.10:2222      0.0.0.0:*    users:(("sshd",pid=812,fd=3))',
+    'LISTEN 0      128           [::]:2222         [::]:*    users:(("sshd",pid=812,fd=4))',
+    'LISTEN 0      4096       0.0.0.0:9100      0.0.0.0:*    users:(("node_exporter",pid=77,fd=3))',
+]
+
+
+@pytest.mark.parametrize(
+    ("registered", "expected"),
+    [
+        ({"__firewall_ss": {"stdout_lines": SS_NAT}}, [2222]),
+        # socket-activated or not found by ss: what `sshd -T` says
+        (
+            {
+                "__firewall_ss": {"stdout_lines": []},
+                "__firewall_sshd_t": {"stdout_lines": ["port 2200", "x 1"]},
+            },
+            [2200],
+        ),
+        (
+            {"__firewall_ss": {"stdout_lines": SS_NAT}, "firewall_ssh_port": 2022},
+            [2022],
+        ),  # the admin's choice
+    ],
+)
+def test_the_ssh_port_is_the_one_sshd_listens_on_not_ansible_port(playbook, tmp_path, registered, expected):
+    got = _render(playbook, tmp_path, firewall_trusted_sources=["10.1.0.0/24"], ansible_port=22, **registered)
+    assert got["ssh_ports"] == expected

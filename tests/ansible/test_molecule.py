@@ -42,7 +42,10 @@ def test_molecule_default_scenario(venv_bin):
     assert sorted(idempotence) == [("node0", "0"), ("node1", "0"), ("node2", "0")]
     verify = _step(out, "verify")
     assert len(re.findall(r"rank \d/3 gloo 16\.0 MiB: busbw [0-9.]+ GB/s", verify)) == 3
-    assert re.search(r"TASK \[Connect from a peer to the closed port\].*?ok: \[node0 -> node1", verify, re.S)
+    outsider = r"TASK \[Connect from the outsider to MASTER_PORT and to the ephemeral range \(refused\)\]"
+    assert re.search(outsider + r".*?ok: \[node0 -> localhost\] => \(item=29500\)", verify, re.S)
+    exporter = r"TASK \[Connect from the outsider to the admin's exporter"
+    assert re.search(exporter + r".*?ok: \[node0 -> localhost", verify, re.S)
     assert "default > destroy: Executed: Successful" in out
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "mol-node" not in netns, "molecule destroy left namespaces behind"

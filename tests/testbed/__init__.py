@@ -214,12 +214,14 @@ class Testbed:
         nvswitch: bool = False,
         gpu_model: str = "h100",
         usr_local: bool = False,
+        firewalld: bool = False,
     ) -> list[Host]:
         """Create n hosts (tearing down a previous testbed of this prefix first).
 
         gpus, nvswitch and gpu_model describe the simulated hardware of EL sim hosts (os="rocky9").
         usr_local: Debian hosts also get an overlay over /usr/local, so a test can put fakes (a recorded
         nvidia-smi) in /usr/local/bin, which is first on the hosts' PATH (EL hosts overlay all of /usr).
+        firewalld: EL sim hosts run a private D-Bus and firewalld, as a real EL host does (el/firewalld.py).
         """
         if not 1 <= n <= 200:
             raise TestbedError(f"host count must be 1..200, got {n}")
@@ -240,6 +242,16 @@ class Testbed:
                 raise TestbedError(f"EL sim: {e}") from e
         self._hw = {"gpus": gpus, "nvswitch": nvswitch, "gpu_model": gpu_model}
         self._usr_local = usr_local
+        self._firewalld = firewalld
+        if firewalld:
+            from .el import firewalld as el_firewalld
+
+            if self.os != "rocky9":
+                raise TestbedError("firewalld runs on --os rocky9 hosts only")
+            if el_firewalld.missing():
+                raise TestbedError(
+                    f"firewalld needs {', '.join(el_firewalld.missing())}: bash .ci/setup --with-testbed"
+                )
         self.down()
         self._say(neigh.acquire(self.prefix, n), f"raised for its {n} hosts")
         keys = self.key_file.parent
@@ -335,6 +347,12 @@ SetEnv PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
             "mount -t tmpfs -o mode=755 tmpfs /run",
             "mkdir -p /run/sshd /run/lock",
             f"hostname {h.name}",
+        ]
+        if self._firewalld:
+            from .el import firewalld as el_firewalld
+
+            setup += el_firewalld.start_commands(d)
+        setup += [
             f"exec /usr/sbin/sshd -D -e -f {d}/sshd_config",
         ]
         script = "set -e; " + "; ".join(setup)

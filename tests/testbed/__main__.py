@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
         "--usr-local", action="store_true", help="debian hosts: an overlay over /usr/local too (for fakes)"
     )
     up.add_argument(
+        "--firewalld", action="store_true", help="rocky9 hosts run D-Bus and firewalld (el/firewalld.py)"
+    )
+    up.add_argument(
         "--train-net",
         metavar="A.B.C",
         help="a second /24 for training interfaces named per host, plus a decoy aaa0 (ddp_network_cidr)",
@@ -64,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                 nvswitch=args.nvswitch,
                 gpu_model=args.gpu_model,
                 usr_local=args.usr_local,
+                firewalld=args.firewalld,
             )
             for h in hosts:
                 train = f" training {h.train_dev} {h.train_ip}" if h.train_dev else ""
