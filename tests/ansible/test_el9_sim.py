@@ -132,7 +132,7 @@ def test_a_booted_kernel_without_the_module_gets_it_rebuilt_and_rebooted(el9, pl
     """As after a kernel installed without its headers: dkms has no module for the booted kernel."""
     kernel = _sh(el9, 0, "uname -r").strip()
     version = _sh(el9, 0, "rpm -q --queryformat '%{VERSION}' kmod-nvidia-open-dkms").strip()
-    _sh(el9, 0, f"dkms remove -m nvidia-open -v {version} -k {kernel}; /usr/local/sbin/ddp-sim-reboot")
+    _sh(el9, 0, f"dkms remove -m nvidia -v {version} -k {kernel}; /usr/local/sbin/ddp-sim-reboot")
     assert not _sh(el9, 0, f"ls /lib/modules/{kernel}/extra/").strip()
     assert _sh(el9, 0, "nvidia-smi -L", check=False).startswith("NVIDIA-SMI has failed")
 

@@ -177,11 +177,11 @@ def test_kernel_devel_matched_pulls_the_newer_kernel_and_the_kmod_post_skips_it(
     add_nvidia_repo(sim, "node0")
     sh(sim, "node0", "dnf -q -y module install nvidia-driver:580-open/default")
     log = sh(sim, "node0", "cat /var/log/ddp-sim/dkms.log").stdout
-    assert f"dkms install -m nvidia-open -v {DRIVER} -q --force" in log  # NVIDIA's %post, uname -r only
+    assert f"dkms install -m nvidia -v {DRIVER} -q --force" in log  # NVIDIA's %post, uname -r only
     assert "autoinstall" not in log
     sh(sim, "node0", f"test ! -e /lib/modules/{newer}/extra/nvidia.ko.xz")
     # the running kernel has no headers either: the %post's build failed and was ignored
-    assert sh(sim, "node0", "dkms status").stdout.strip() == f"nvidia-open/{DRIVER}: added"
+    assert sh(sim, "node0", "dkms status").stdout.strip() == f"nvidia/{DRIVER}: added"
 
 
 def test_the_driver_loads_only_with_a_module_for_the_booted_kernel(sim):
@@ -190,12 +190,17 @@ def test_the_driver_loads_only_with_a_module_for_the_booted_kernel(sim):
     assert sh(sim, "node0", "uname -r").stdout.strip() == newer
     res = sh(sim, "node0", "nvidia-smi", ok=False)
     assert res.returncode == 9 and NO_DRIVER in res.stdout
-    res = sh(sim, "node0", "dkms build -m nvidia-open -v 1.0 -k 9.9.9", ok=False)
+    res = sh(sim, "node0", "dkms build -m nvidia -v 1.0 -k 9.9.9", ok=False)
     assert res.returncode != 0  # unknown module source
+    # The open modules compile C++ and nothing installed g++ (EPEL's dkms requires gcc only): the build
+    # fails as the real one does (NVIDIA/open-gpu-kernel-modules#805), until gcc-c++ is installed.
+    res = sh(sim, "node0", f"dkms autoinstall -k {newer}", ok=False)
+    assert res.returncode == 11 and "Bad return status for module build on kernel" in res.stderr, res.stderr
+    make_log = sh(sim, "node0", f"cat /var/lib/dkms/nvidia/{DRIVER}/build/make.log").stdout
+    assert "g++: command not found" in make_log
+    sh(sim, "node0", "dnf -q -y install gcc-c++")
     sh(sim, "node0", f"dkms autoinstall -k {newer}")
-    assert (
-        sh(sim, "node0", "dkms status").stdout.strip() == f"nvidia-open/{DRIVER}, {newer}, x86_64: installed"
-    )
+    assert sh(sim, "node0", "dkms status").stdout.strip() == f"nvidia/{DRIVER}, {newer}, x86_64: installed"
     sh(sim, "node0", "ddp-sim-reboot")
     assert (
         f"NVIDIA UNIX Open Kernel Module for x86_64  {DRIVER}"
