@@ -92,7 +92,7 @@ def test_verify_names_a_port_range_another_sysctl_file_undid(el9, playbook):
 
 @pytest.mark.parametrize(
     "case",
-    ["mig", "secure_boot", "fabric_manager_stopped"],
+    ["mig", "secure_boot", "fabric_manager_stopped", "fabric_completed_with_error"],
 )
 def test_a_gpu_host_with_a_broken_driver_fails_with_the_reason(case, el9, playbook):
     """After the (simulated) reboot nothing changes but the driver is unusable: the run fails, saying why."""
@@ -112,12 +112,22 @@ def test_a_gpu_host_with_a_broken_driver_fails_with_the_reason(case, el9, playbo
         "fabric_manager_stopped": (
             f"touch {SIM}/fabricmanager-stopped",
             f"rm -f {SIM}/fabricmanager-stopped",
-            "node0: 4 NVSwitches but the GPUs' fabric state is In Progress, not Completed",
+            "node0: 4 NVSwitches but the fabric of GPU 00000000:1B:00.0 is In Progress (status N/A), GPU "
+            "00000000:43:00.0 is In Progress (status N/A)",
+        ),
+        # NVML: the status is read once the state is Completed; Completed is not enough.
+        "fabric_completed_with_error": (
+            f"echo 'Insufficient Resources' > {SIM}/fabric-error",
+            f"rm -f {SIM}/fabric-error",
+            "node0: 4 NVSwitches but the fabric of GPU 00000000:1B:00.0 is Completed (status Insufficient "
+            "Resources)",
         ),
     }[case]
     _sh(el9, 0, setup)
     try:
-        res = playbook(*INVENTORY, "--limit", "node0", "playbooks/gpu.yml")
+        res = playbook(
+            *INVENTORY, "--limit", "node0", "-e", "nvidia_driver_fabric_wait_s=10", "playbooks/gpu.yml"
+        )
     finally:
         _sh(el9, 0, undo)
     assert res.returncode == 2, res.out[-3000:]
