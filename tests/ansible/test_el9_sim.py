@@ -19,6 +19,7 @@ import pytest
 import tests.conftest as root_conftest
 from tests import testbed as testbed_mod
 from tests.ansible.conftest import REPO_ROOT, run, tool_env
+from tests.testbed import el as testbed_el
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 
@@ -91,7 +92,7 @@ def test_verify_names_a_port_range_another_sysctl_file_undid(el9, playbook):
 
 @pytest.mark.parametrize(
     "case",
-    ["mig", "secure_boot", "fabric_manager_stopped"],
+    ["mig", "secure_boot", "fabric_manager_stopped", "fabric_completed_with_error"],
 )
 def test_a_gpu_host_with_a_broken_driver_fails_with_the_reason(case, el9, playbook):
     """After the (simulated) reboot nothing changes but the driver is unusable: the run fails, saying why."""
@@ -111,12 +112,22 @@ def test_a_gpu_host_with_a_broken_driver_fails_with_the_reason(case, el9, playbo
         "fabric_manager_stopped": (
             f"touch {SIM}/fabricmanager-stopped",
             f"rm -f {SIM}/fabricmanager-stopped",
-            "node0: 4 NVSwitches but the GPUs' fabric state is In Progress, not Completed",
+            "node0: 4 NVSwitches but the fabric of GPU 00000000:1B:00.0 is In Progress (status N/A), GPU "
+            "00000000:43:00.0 is In Progress (status N/A)",
+        ),
+        # NVML: the status is read once the state is Completed; Completed is not enough.
+        "fabric_completed_with_error": (
+            f"echo 'Insufficient Resources' > {SIM}/fabric-error",
+            f"rm -f {SIM}/fabric-error",
+            "node0: 4 NVSwitches but the fabric of GPU 00000000:1B:00.0 is Completed (status Insufficient "
+            "Resources)",
         ),
     }[case]
     _sh(el9, 0, setup)
     try:
-        res = playbook(*INVENTORY, "--limit", "node0", "playbooks/gpu.yml")
+        res = playbook(
+            *INVENTORY, "--limit", "node0", "-e", "nvidia_driver_fabric_wait_s=10", "playbooks/gpu.yml"
+        )
     finally:
         _sh(el9, 0, undo)
     assert res.returncode == 2, res.out[-3000:]
@@ -132,7 +143,7 @@ def test_a_booted_kernel_without_the_module_gets_it_rebuilt_and_rebooted(el9, pl
     """As after a kernel installed without its headers: dkms has no module for the booted kernel."""
     kernel = _sh(el9, 0, "uname -r").strip()
     version = _sh(el9, 0, "rpm -q --queryformat '%{VERSION}' kmod-nvidia-open-dkms").strip()
-    _sh(el9, 0, f"dkms remove -m nvidia-open -v {version} -k {kernel}; /usr/local/sbin/ddp-sim-reboot")
+    _sh(el9, 0, f"dkms remove -m nvidia -v {version} -k {kernel}; /usr/local/sbin/ddp-sim-reboot")
     assert not _sh(el9, 0, f"ls /lib/modules/{kernel}/extra/").strip()
     assert _sh(el9, 0, "nvidia-smi -L", check=False).startswith("NVIDIA-SMI has failed")
 
@@ -153,6 +164,21 @@ def test_changing_the_driver_branch_resets_the_stream_and_relocks(el9, playbook)
     """node1 moves from 580-open (cu130) to 575-open with torch's cu126 stack: dnf alone refuses to switch
     an enabled stream; the role resets it, syncs the packages down, and locks the new versions only."""
     stack = {"gpu_stack_torch_cuda": "cu126", "gpu_stack_driver_branch": "575"}
+    # The NVIDIA Container Toolkit, from its own repo, locked at the older of its two versions: not the
+    # driver's, so its locks stay and it is not distro-synced to 1.18.0.
+    toolkit = ["libnvidia-container1", "libnvidia-container-tools", "nvidia-container-toolkit-base"]
+    toolkit.append("nvidia-container-toolkit")
+    repo = testbed_el.build().repo_url("nvidia-container-toolkit")
+    _sh(
+        el9,
+        1,
+        "printf '[nvidia-container-toolkit]\\nname=nvidia-container-toolkit\\nbaseurl=%s\\nenabled=1\\n"
+        f"gpgcheck=0\\n' {repo} > /etc/yum.repos.d/nvidia-container-toolkit.repo && "
+        f"dnf -q -y install nvidia-container-toolkit-1.17.8 && dnf -q versionlock add {' '.join(toolkit)}",
+    )
+    toolkit_locks = sorted(x for x in _sh(el9, 1, "dnf -q versionlock list").split() if "container" in x)
+    assert len(toolkit_locks) == 4, toolkit_locks
+
     res = playbook(*INVENTORY, "--limit", "node1", "-e", json.dumps(stack), "playbooks/gpu.yml")
     assert res.returncode == 0, res.out[-4000:]
 
@@ -161,14 +187,17 @@ def test_changing_the_driver_branch_resets_the_stream_and_relocks(el9, playbook)
     )
     assert stream.strip() == "575-open"
     locks = _sh(el9, 1, "dnf -q versionlock list").split()
-    nvidia = [lock for lock in locks if "nvidia" in lock]
+    nvidia = [lock for lock in locks if "nvidia" in lock and "container" not in lock]
     assert nvidia and all(":575.57.08-" in lock for lock in nvidia), locks
+    assert sorted(lock for lock in locks if "container" in lock) == toolkit_locks
+    versions = _sh(el9, 1, f"rpm -q --queryformat '%{{VERSION}}\\n' {' '.join(toolkit)}").split()
+    assert versions == ["1.17.8"] * 4, versions
     assert sorted(lock for lock in locks if "nccl" in lock) == [
         "libnccl-0:2.29.3-1+cuda12.9.*",
         "libnccl-devel-0:2.29.3-1+cuda12.9.*",
     ]
     installed = _sh(el9, 1, "rpm -qa --queryformat '%{NAME}-%{VERSION}\\n' '*nvidia*' | sort").split()
-    assert all("-575.57.08" in p for p in installed), installed
+    assert all("-575.57.08" in p for p in installed if "container" not in p), installed
     assert "release 12.6" in _sh(el9, 1, "/usr/local/cuda-12.6/bin/nvcc --version")
     assert "575.57.08" in _sh(el9, 1, "nvidia-smi --query-gpu=driver_version --format=csv,noheader")
     # the second run with the new branch changes nothing

@@ -5,7 +5,11 @@ in each namespace): only the wheelhouse host may reach "the index" (an HTTP serv
 in the first case, none in the air-gapped case, which copies the controller's wheels once instead.
 
 The pinned set is small: a stand-in torch wheel (torch 2.13.0+cpu, a few bytes, enough for the role's
-fingerprint and its pinned-version check) and the real PyYAML wheel, so no host downloads torch here.
+fingerprint and its pinned-version check) and the real PyYAML wheel, so no host downloads torch here. In
+the first test "the index" is two, shaped like PyTorch's and PyPI's (tests/testbed/pyindex.py): the torch
+stub requires what the real torch requires, PyTorch's index spells typing_extensions and Jinja2 as it does
+(pip before 23.2, which the nodes' venvs start with, rejects them), and both indexes carry another
+typing_extensions (4.15.0 and 4.16.0), which only one resolution over both turns into one version.
 Testbed prefix prv, net 10.213.120."""
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 import pytest
 
 import tests.conftest as root_conftest
+from tests.testbed import pyindex
 
 pytestmark = pytest.mark.testbed
 
@@ -91,30 +96,43 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def index(tmp_path_factory):
-    """A package index on the controller: a directory of the pinned set's wheels served over HTTP."""
-    d = tmp_path_factory.mktemp("index")
-    _fake_torch(d)
-    dl = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--quiet",
-        "--only-binary=:all:",
-        "--dest",
-        str(d),
-        *PINNED,
+    """On the controller, over HTTP: /whl/ shaped like PyTorch's index, /simple/ like PyPI (PEP 658 both)."""
+    root = tmp_path_factory.mktemp("index")
+    real = root / "real"
+    dl = [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", "--dest", str(real)]
+    subprocess.run([*dl, *PINNED, "pip"], check=True, capture_output=True, timeout=300)
+    stubs = root / "stubs"
+    requires = pyindex.torch_requirements()
+    torch = pyindex.wheel(stubs / "whl", pyindex.torch_stub("2.13.0+cpu", None, requires))
+    deps = pyindex.stand_ins([*requires, "markupsafe>=2.0"], {"typing-extensions": "4.15.0"})
+    whl = [torch, *(pyindex.wheel(stubs / "whl", d) for d in deps)]
+    simple = [
+        *real.glob("*.whl"),
+        pyindex.wheel(stubs / "simple", pyindex.Dist("prvschema", "1.0", ["typing-extensions>=4.4"])),
+        pyindex.wheel(stubs / "simple", pyindex.Dist("typing_extensions", "4.16.0")),
     ]
-    subprocess.run(dl, check=True, capture_output=True, timeout=300)
-    log = d.parent / "index.log"
+    pyindex.write_simple(root / "www" / "whl", whl)
+    pyindex.write_simple(root / "www" / "simple", simple)
+    spelt = {w.name.split("-")[0] for w in whl}
+    assert {"typing_extensions", "Jinja2"} <= spelt, f"torch requires both: {requires}"
+    log = root / "index.log"
     with open(log, "w") as out:
         server = subprocess.Popen(
-            [sys.executable, "-m", "http.server", "--bind", INDEX, "--directory", str(d), str(INDEX_PORT)],
+            [
+                sys.executable,
+                "-m",
+                "http.server",
+                "--bind",
+                INDEX,
+                "--directory",
+                str(root / "www"),
+                str(INDEX_PORT),
+            ],
             stdout=out,
             stderr=subprocess.STDOUT,
         )
     try:
-        yield d, log
+        yield root, log
     finally:
         server.terminate()
         server.wait(timeout=10)
@@ -139,41 +157,60 @@ def _wheel_gets(log: Path) -> list[str]:
 
 
 def test_the_index_is_read_once_and_the_nodes_install_from_the_wheelhouse(cluster, index, playbook):
-    d, log = index
+    root, log = index
     hosts = cluster.hosts()
     for i, h in enumerate(hosts):
         _drop_outbound(cluster, h, allow_index=i == 0)
     assert _can_reach_index(cluster, hosts[0])
     assert not any(_can_reach_index(cluster, h) for h in hosts[1:]), "node1, node2 must have no way out"
+    old_pip = cluster.exec(hosts[0], "/usr/bin/python3 -m venv /tmp/prv-v && /tmp/prv-v/bin/pip --version")
+    cluster.exec(hosts[0], "rm -rf /tmp/prv-v")
+    assert re.match(r"pip (2[0-2]|23\.[01])\.", old_pip.stdout), f"the venvs must start old: {old_pip.stdout}"
 
-    find_links = f"--no-index --find-links http://{INDEX}:{INDEX_PORT}/ --trusted-host {INDEX}"
-    res = _converge(playbook, cluster, pytorch_pip_extra_args=find_links)
+    indexes = {
+        "pytorch_index_url": f"http://{INDEX}:{INDEX_PORT}/whl/",
+        "pytorch_extra_index_url": f"http://{INDEX}:{INDEX_PORT}/simple/",
+        "pytorch_pip_extra_args": f"--trusted-host {INDEX}",
+        "pytorch_extra_packages": [*PINNED, "prvschema==1.0"],
+    }
+    res = _converge(playbook, cluster, **indexes)
     assert res.returncode == 0, res.out[-5000:]
 
-    gets = sorted(g.replace("%2B", "+") for g in _wheel_gets(log))
-    assert gets == sorted(p.name for p in d.glob("*.whl")), f"each wheel once from the index, got {gets}"
+    lock = cluster.exec(hosts[0], f"cat {WHEELHOUSE}/*/requirements.txt").stdout
+    locked = re.findall(r"^(\S+)==(\S+) --hash=sha256:[0-9a-f]{64}$", lock, re.M)
+    assert len(locked) == len(lock.splitlines()), lock
+    # One resolution over both indexes: one typing_extensions, the newer of the two.
+    assert [v for n, v in locked if pyindex.normalise(n) == "typing-extensions"] == ["4.16.0"], lock
+    assert {"torch", "prvschema", "pyyaml", "jinja2"} <= {pyindex.normalise(n) for n, _ in locked}, lock
+    gets = sorted(g.replace("%2B", "+").rsplit("/", 1)[1] for g in _wheel_gets(log))
+    # pip < 23.2 fetches the pip wheel it upgrades to twice (after its PEP 658 metadata); the rest once.
+    assert any(g.startswith("pip-") for g in gets), f"the wheelhouse host's pip was upgraded: {gets}"
+    others = [g for g in gets if not g.startswith("pip-")]
+    assert len(others) == len(set(others)) == len(locked), f"each locked wheel once, nothing else: {gets}"
+    assert re.match(r"pip (2[4-9]|23\.[2-9])", cluster.exec(hosts[0], f"{VENV}/bin/pip --version").stdout)
     for h in hosts:
         versions = cluster.exec(
             h, f"{VENV}/bin/python -c 'import torch, yaml; print(torch.__version__, yaml.__version__)'"
         )
         assert versions.stdout.split() == ["2.13.0+cpu", "6.0.4"], h.name
         assert '"torch": "2.13.0+cpu"' in cluster.exec(h, f"cat {VENV}/ddp-train-fingerprint.json").stdout
-    lock = cluster.exec(hosts[0], f"cat {WHEELHOUSE}/*/requirements.txt").stdout
-    assert re.fullmatch(r"(\S+==\S+ --hash=sha256:[0-9a-f]{64}\n){2}", lock), lock
     assert cluster.exec(hosts[1], f"cat {VENV}/share/ddp-train/wheelhouse-requirements.txt").stdout == lock
     listening = cluster.exec(hosts[0], "ss -Hltn 'sport = :29500'").stdout
     assert listening == "", "the wheelhouse is no longer served after the install"
 
-    again = _converge(playbook, cluster, pytorch_pip_extra_args=find_links)
+    again = _converge(playbook, cluster, **indexes)
     assert again.returncode == 0, again.out[-5000:]
     assert _recap(again.out) == {"node0": 0, "node1": 0, "node2": 0}, again.out[-3000:]
     assert len(_wheel_gets(log)) == len(gets), "a re-run does not read the index again"
 
 
 def test_an_air_gapped_cluster_gets_the_controllers_wheels_once(cluster, index, playbook, tmp_path):
-    # Another pinned set than the first test's: its wheels plus one more package.
+    # Another pinned set than the first test's: a torch stub, PyYAML and one more package.
     d = tmp_path / "wheels"
-    shutil.copytree(index[0], d)
+    d.mkdir()
+    _fake_torch(d)
+    for w in (index[0] / "real").glob("[Pp]y[Yy][Aa][Mm][Ll]*.whl"):
+        shutil.copy(w, d)
     _fake_wheel(d, "prvextra", "1.0", {"prvextra.py": "OK = 1\n"})
     pinned = [*PINNED, "prvextra==1.0"]
     hosts = cluster.hosts()

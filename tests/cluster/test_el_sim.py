@@ -8,14 +8,17 @@ exists for the booted kernel, and nothing lands on this machine.
 
 from __future__ import annotations
 
+import base64
 import os
 import shutil
+import struct
 import subprocess
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from tests.ansible.conftest import REPO_ROOT, tool_env
 from tests.conftest import private_testbed, require_testbed, testbed_missing_reason
 from tests.testbed import Testbed, el
 
@@ -177,11 +180,11 @@ def test_kernel_devel_matched_pulls_the_newer_kernel_and_the_kmod_post_skips_it(
     add_nvidia_repo(sim, "node0")
     sh(sim, "node0", "dnf -q -y module install nvidia-driver:580-open/default")
     log = sh(sim, "node0", "cat /var/log/ddp-sim/dkms.log").stdout
-    assert f"dkms install -m nvidia-open -v {DRIVER} -q --force" in log  # NVIDIA's %post, uname -r only
+    assert f"dkms install -m nvidia -v {DRIVER} -q --force" in log  # NVIDIA's %post, uname -r only
     assert "autoinstall" not in log
     sh(sim, "node0", f"test ! -e /lib/modules/{newer}/extra/nvidia.ko.xz")
     # the running kernel has no headers either: the %post's build failed and was ignored
-    assert sh(sim, "node0", "dkms status").stdout.strip() == f"nvidia-open/{DRIVER}: added"
+    assert sh(sim, "node0", "dkms status").stdout.strip() == f"nvidia/{DRIVER}: added"
 
 
 def test_the_driver_loads_only_with_a_module_for_the_booted_kernel(sim):
@@ -190,12 +193,17 @@ def test_the_driver_loads_only_with_a_module_for_the_booted_kernel(sim):
     assert sh(sim, "node0", "uname -r").stdout.strip() == newer
     res = sh(sim, "node0", "nvidia-smi", ok=False)
     assert res.returncode == 9 and NO_DRIVER in res.stdout
-    res = sh(sim, "node0", "dkms build -m nvidia-open -v 1.0 -k 9.9.9", ok=False)
+    res = sh(sim, "node0", "dkms build -m nvidia -v 1.0 -k 9.9.9", ok=False)
     assert res.returncode != 0  # unknown module source
+    # The open modules compile C++ and nothing installed g++ (EPEL's dkms requires gcc only): the build
+    # fails as the real one does (NVIDIA/open-gpu-kernel-modules#805), until gcc-c++ is installed.
+    res = sh(sim, "node0", f"dkms autoinstall -k {newer}", ok=False)
+    assert res.returncode == 11 and "Bad return status for module build on kernel" in res.stderr, res.stderr
+    make_log = sh(sim, "node0", f"cat /var/lib/dkms/nvidia/{DRIVER}/build/make.log").stdout
+    assert "g++: command not found" in make_log
+    sh(sim, "node0", "dnf -q -y install gcc-c++")
     sh(sim, "node0", f"dkms autoinstall -k {newer}")
-    assert (
-        sh(sim, "node0", "dkms status").stdout.strip() == f"nvidia-open/{DRIVER}, {newer}, x86_64: installed"
-    )
+    assert sh(sim, "node0", "dkms status").stdout.strip() == f"nvidia/{DRIVER}, {newer}, x86_64: installed"
     sh(sim, "node0", "ddp-sim-reboot")
     assert (
         f"NVIDIA UNIX Open Kernel Module for x86_64  {DRIVER}"
@@ -233,6 +241,63 @@ def test_dracut_force_rebuilds_only_the_running_kernel(sim):
     sh(sim, "node0", f"test -e /boot/initramfs-{other}.img")
     log = sh(sim, "node0", "cat /var/log/ddp-sim/dracut.log").stdout
     assert "dracut --force" in log and "dracut --regenerate-all --force" in log
+
+
+def _openpgp_v6_key() -> str:
+    """An armored OpenPGP v6 public key (RFC 9580: a version-6 Ed25519 key packet and a user ID), the
+    version RHEL 10.1's release key has. gpg before 2.5 stops at it: "packet(6) with unknown version 6"."""
+
+    def packet(tag: int, body: bytes) -> bytes:
+        return bytes([0xC0 | tag, len(body)]) + body
+
+    key = packet(6, bytes([6]) + struct.pack(">IBI", 1735689600, 27, 32) + bytes(range(32)))
+    data = key + packet(13, b"ddp-sim stand-in for RHEL 10.1's v6 release key")
+    crc = 0xB704CE
+    for byte in data:
+        crc ^= byte << 16
+        for _ in range(8):
+            crc = (crc << 1) ^ (0x1864CFB if crc & 0x800000 else 0)
+    b64 = base64.b64encode(data).decode()
+    lines = [b64[i : i + 64] for i in range(0, len(b64), 64)]
+    tail = base64.b64encode((crc & 0xFFFFFF).to_bytes(3, "big")).decode()
+    return "\n".join(
+        ["-----BEGIN PGP PUBLIC KEY BLOCK-----", "", *lines, f"={tail}", "-----END PGP PUBLIC KEY BLOCK-----"]
+    )
+
+
+def test_cuda_repo_imports_its_key_where_the_rpmdb_holds_an_openpgp_v6_key(sim, tmp_path, venv_bin):
+    """rpm_key lists the rpmdb's keys through gpg, which cannot read a v6 key (ansible/ansible#86246): on
+    RHEL 10.1 every rpm_key task fails. The role's own import reads only the key it imports."""
+    # The rpmdb entry `rpm --import` makes of a key: package gpg-pubkey, the armored key its description.
+    spec = tmp_path / "gpg-pubkey.spec"
+    spec.write_text(
+        "Name: gpg-pubkey\nVersion: 5a6340b3\nRelease: 6771b1f6\nSummary: v6 key\nLicense: pubkey\n"
+        f"BuildArch: noarch\n%description\n{_openpgp_v6_key()}\n%files\n"
+    )
+    subprocess.run(
+        ["rpmbuild", "-bb", "--quiet", "--define", f"_topdir {tmp_path / 'top'}", str(spec)], check=True
+    )
+    (rpm,) = (tmp_path / "top" / "RPMS" / "noarch").glob("gpg-pubkey-*.rpm")
+    sh(sim, "node1", f"rpm -i --nodeps {rpm} && rpm -q gpg-pubkey-5a6340b3")
+    # rpm_key's listing (ansible.builtin.rpm_key is_key_imported), in a throwaway gpg home.
+    listing = (
+        "rpm -q gpg-pubkey --qf '%{description}' | gpg --homedir \"$(mktemp -d)\" --batch --with-colons -"
+    )
+    probe = sh(sim, "node1", listing, ok=False)
+    assert probe.returncode == 2 and "unknown version 6" in probe.stderr, probe.stderr
+
+    play = tmp_path / "play.yml"
+    play.write_text("- hosts: node1\n  roles: [cuda_repo]\n")
+    env = tool_env(venv_bin, tmp_path / "facts")
+    argv = [str(venv_bin / "ansible-playbook"), "-i", str(sim.inventory), str(play)]
+    runs = [subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)]
+    runs.append(subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT))
+    for res in runs:
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-1000:]
+    assert "changed=0" in runs[1].stdout.splitlines()[-2], runs[1].stdout[-1500:]
+    fingerprint = sim.cache.info["cuda_repo_gpgkey_fingerprint"]
+    keys = sh(sim, "node1", "rpm -q gpg-pubkey --qf '%{VERSION}\\n'").stdout.split()
+    assert sorted(keys) == sorted(["5a6340b3", fingerprint[-8:].lower()]), keys
 
 
 def test_nothing_lands_on_the_real_machine(sim):
