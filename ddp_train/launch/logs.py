@@ -160,7 +160,8 @@ class JobLog:
 
     def write_json(self, name: str, data: Any) -> Path:
         path = self.dir / name
-        text = mask_text(json.dumps(data, indent=2, sort_keys=True), self.secrets) + "\n"
+        # only string leaves are masked: a secret value such as "false" must not turn JSON's false into ***
+        text = json.dumps(_mask_leaves(data, self.secrets), indent=2, sort_keys=True) + "\n"
         write_private(path, text.encode())
         return path
 
@@ -172,6 +173,17 @@ class JobLog:
             for f in self._files.values():
                 f.close()
             self._launcher.close()
+
+
+def _mask_leaves(data: Any, secrets: Sequence[str]) -> Any:
+    """`data` with every string in it (keys too) masked; numbers, booleans and None as they are."""
+    if isinstance(data, str):
+        return mask_text(data, secrets)
+    if isinstance(data, dict):
+        return {_mask_leaves(k, secrets): _mask_leaves(v, secrets) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_mask_leaves(v, secrets) for v in data]
+    return data
 
 
 def _append(path: Path) -> IO[str]:

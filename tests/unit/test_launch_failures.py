@@ -224,3 +224,12 @@ def test_a_ranks_stack_dump_file_is_removed_at_exit(tmp_path: Path, monkeypatch:
         if stackdump._file is not None:
             stackdump._file.close()
         monkeypatch.setattr(stackdump, "_file", None)
+
+
+def test_summary_json_stays_valid_when_a_secret_value_is_false(tmp_path: Path) -> None:
+    # review #6: TOKENIZERS_PARALLELISM=false is a "secret" by name; `"detached": false` stayed JSON
+    log = JobLog(tmp_path, "j", secrets=["false", "hf_abc123"], quiet=True)
+    path = log.write_json("summary.json", {"detached": False, "env": {"HF_TOKEN": "hf_abc123"}, "n": 3})
+    log.close()
+    data = json.loads(path.read_text())
+    assert data == {"detached": False, "env": {"HF_TOKEN": "***"}, "n": 3}
