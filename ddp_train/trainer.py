@@ -691,7 +691,12 @@ def run(cfg: Config, source: str = "config") -> int:
     except Exception as exc:
         why = consequence(exc, stop.signum)
         if why is None:
-            raise
+            # this rank's own failure: its traceback and error line now, before the finally below takes
+            # the process group down (its peers then print "stopped:" lines that must not come first)
+            sys.stderr.write("".join(traceback.format_exception(exc)))
+            first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+            emit_line(f"ddp-train: error: {type(exc).__name__}" + (f": {first}" if first else ""), sys.stderr)
+            return exitcodes.FAILURE
         # the traceback for the host log (ddp-launch keeps indented traceback lines off its console),
         # then the one line that says why this rank failed
         sys.stderr.write(indented_traceback(exc))

@@ -20,16 +20,22 @@ from typing import IO, Any
 from ddp_train.launch.jobstate import open_private, private_dir, write_private
 from ddp_train.launch.plan import mask_text
 
-# Lines that tell why a node failed, best first: the trainer's one-line reason, a signal that killed a
-# worker (torchrun's root cause),
-# an exception or error message of the trainer, torchrun's exit code report, then anything error-like.
+# Lines that tell why a node failed, best first: the trainer's one-line error, a signal that killed a
+# worker (torchrun's root cause), an exception or error message (not one inside an indented traceback),
+# the trainer's "stopped:" line (a rank that stopped because a peer failed or a stop came: on a node
+# whose own rank failed, it may come before that rank's error), a stop signal, torchrun's exit code
+# report, then anything error-like.
+_STOPPED = re.compile(r"ddp-train: stopped: ")
+_EXCEPTION = re.compile(
+    r"(?<![\w.])(?:\w+\.)*(?!ChildFailedError|SignalException)\w*(Error|Exception): \S|"
+    r"ddp-train: error|^error: "
+)
 _RANKED = (
-    re.compile(r"ddp-train: (error|stopped): "),  # the trainer's own one-line reason (trainer.run)
+    re.compile(r"ddp-train: error: "),  # the trainer's own one-line reason (trainer.run)
+    re.compile(r"Signal \d+ \((?!SIGTERM|SIGINT|SIGHUP)SIG\w+\) received by PID \d+"),
+    _EXCEPTION,
+    _STOPPED,
     re.compile(r"Signal \d+ \(SIG\w+\) received by PID \d+"),
-    re.compile(
-        r"(?<![\w.])(?:\w+\.)*(?!ChildFailedError|SignalException)\w*(Error|Exception): \S|"
-        r"ddp-train: error|^error: "
-    ),
     re.compile(r"exitcode\s*:\s*-?[1-9]"),
     re.compile(
         r"\b(FATAL|Fatal|fatal|Killed|Segmentation fault|No such file or directory|Permission denied|"
@@ -50,11 +56,15 @@ _NOISE = re.compile(r"^\s*(Traceback \(most recent call last\)|File \"|raise |\^
 
 def first_error(lines: Sequence[str]) -> str | None:
     """The line of a node's output that best explains its failure, or None."""
-    useful = [ln.strip() for ln in lines if ln.strip() and not _NOISE.search(ln)]
+    useful = [ln for ln in lines if ln.strip() and not _NOISE.search(ln)]
     for pattern in _RANKED:
         for ln in useful:
-            if pattern.search(ln):
-                return ln
+            if _STOPPED.search(ln) and pattern is not _STOPPED:
+                continue  # its "RuntimeError: ..." is a peer's failure seen from here
+            if pattern is _EXCEPTION and _RANK_PREFIX.sub("", ln, count=1)[:1].isspace():
+                continue  # a line inside a traceback (the trainer indents the ones of consequences)
+            if pattern.search(ln.strip()):
+                return ln.strip()
     return None
 
 

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 import ddp_train.trainer as trainer
@@ -233,3 +234,38 @@ def test_summary_json_stays_valid_when_a_secret_value_is_false(tmp_path: Path) -
     log.close()
     data = json.loads(path.read_text())
     assert data == {"detached": False, "env": {"HF_TOKEN": "***"}, "n": 3}
+
+
+def test_first_error_prefers_a_real_error_over_a_bystanders_stopped_line() -> None:
+    # review #2: the failing rank's traceback comes after its node peers' "stopped:" lines
+    lines = [
+        "[rank1]: ddp-train: stopped: a peer rank went away (its host log has the cause): RuntimeError: "
+        "Connection closed by peer",
+        "[rank0]: Traceback (most recent call last):",
+        '[rank0]:   File "/w/ddp_train/trainer.py", line 675, in run',
+        "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+    ]
+    assert first_error(lines) == lines[-1]
+    assert first_error(["ddp-train: stopped: x: RuntimeError: closed by peer", "ddp-train: error: bad"]) == (
+        "ddp-train: error: bad"
+    )
+
+
+def test_a_ranks_own_error_line_is_written_before_the_process_group_goes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from ddp_train import distributed, exitcodes
+    from ddp_train.config import load_config
+
+    def oom(*_a: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    seen: list[str] = []
+    monkeypatch.setattr(distributed, "init", oom)
+    monkeypatch.setattr(distributed, "shutdown", lambda: seen.append(capsys.readouterr().err))
+    cfg = load_config(None, [f"run.dir={tmp_path / 'runs'}"])
+    assert trainer.run(cfg) == exitcodes.FAILURE
+    assert seen and seen[0].splitlines()[-1] == (
+        "ddp-train: error: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    )
+    assert "Traceback (most recent call last):" in seen[0]
