@@ -178,7 +178,7 @@ class Trainer:
             pin_memory=device.type == "cuda",
             index_log=index_log,
             prefetch_factor=cfg.data.prefetch_factor,
-            worker_start=worker_start_method(device),  # forkserver after NCCL init
+            worker_start=worker_start_method(device, train_set) if cfg.data.num_workers else None,
         )
         self.checkpoints = checkpoint.Checkpointer(
             cfg.checkpoint_dir,
