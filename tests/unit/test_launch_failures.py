@@ -109,7 +109,7 @@ def test_first_error_of_a_consequence_names_the_failed_rank_or_the_watchdog(tmp_
     errors = summary_errors(tmp_path / "a", failed)
     assert errors == {
         "n0": "ddp-train: error: /r/best.pt: saving best.pt of step 40 failed: No space",
-        "n1": "stopped: rank 0 failed (n0)",
+        "n1": "stopped: node 0 failed (n0)",
     }
 
     def stalled(j: Job) -> None:
