@@ -629,6 +629,9 @@ PEER_GONE = re.compile(
     r"Failed to recv|Socket Timeout",
     re.IGNORECASE,
 )
+# Where an error of the process group itself comes from: gloo's and c10d's C++ sources name themselves
+# in the message ("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] ..."); NCCL's say NCCL.
+FROM_DIST = re.compile(r"\[[\w./-]+\.(?:cc|cpp|hpp|h):\d+\]|\bgloo\b|\bc10d\b|\bNCCL\b|ProcessGroup\w+")
 
 
 def consequence(exc: BaseException, signum: int | None) -> str | None:
@@ -640,7 +643,12 @@ def consequence(exc: BaseException, signum: int | None) -> str | None:
         chain.append(e)
         e = e.__cause__ or e.__context__
     first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
-    lost = any(isinstance(e, torch.distributed.DistNetworkError) or PEER_GONE.search(str(e)) for e in chain)
+    # only an error of the process group counts: a plug-in's own "Connection reset by peer", or a bug
+    # met during a stop's final save, is this rank's failure and keeps its traceback
+    dist = [e for e in chain if isinstance(e, torch.distributed.DistError) or FROM_DIST.search(str(e))]
+    if not dist:
+        return None
+    lost = any(isinstance(e, torch.distributed.DistNetworkError) or PEER_GONE.search(str(e)) for e in dist)
     if signum is not None:
         name = signal.Signals(signum).name
         how = "a peer went away" if lost else "it failed"

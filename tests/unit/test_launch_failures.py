@@ -269,3 +269,22 @@ def test_a_ranks_own_error_line_is_written_before_the_process_group_goes(
         "ddp-train: error: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
     )
     assert "Traceback (most recent call last):" in seen[0]
+
+
+def test_a_ranks_own_failure_is_no_consequence_even_when_it_mentions_a_peer_or_a_stop_came() -> None:
+    # review #4: a plug-in's HTTP reset, or a bug during the stop's final save, is this rank's failure
+    try:
+        try:
+            raise ConnectionResetError(104, "Connection reset by peer")
+        except OSError as e:
+            raise RuntimeError("fetching shard 3 from https://data.example/x failed") from e
+    except RuntimeError as exc:
+        assert trainer.consequence(exc, None) is None
+        assert trainer.consequence(exc, 15) is None
+    bug = KeyError("model.step")
+    assert trainer.consequence(bug, 15) is None
+    store = torch.distributed.DistNetworkError("failed to recv, got 0 bytes")
+    assert trainer.consequence(store, None).startswith("a peer rank went away")
+    assert trainer.consequence(store, 15).startswith("SIGTERM received during a collective, then a peer went")
+    backend = torch.distributed.DistBackendError("NCCL error: remote process exited")
+    assert trainer.consequence(backend, 15).startswith("SIGTERM received during a collective, then it failed")
