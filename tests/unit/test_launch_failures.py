@@ -288,3 +288,18 @@ def test_a_ranks_own_failure_is_no_consequence_even_when_it_mentions_a_peer_or_a
     assert trainer.consequence(store, 15).startswith("SIGTERM received during a collective, then a peer went")
     backend = torch.distributed.DistBackendError("NCCL error: remote process exited")
     assert trainer.consequence(backend, 15).startswith("SIGTERM received during a collective, then it failed")
+
+
+def test_agent_names_the_worker_that_failed_on_its_own_when_several_fail_in_the_same_second(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    # review #5: rank 1 exits 2 (bad token file), rank 0 exits 1 as its consequence: the node exits 2
+    bad = ProcessFailure(local_rank=1, pid=124, exitcode=2, error_file="<N/A>")
+    victim = ProcessFailure(local_rank=0, pid=123, exitcode=1, error_file="<N/A>")
+    victim.timestamp = bad.timestamp = 1_700_000_000  # int(time.time()) at detection: a tie
+    assert agent._failed_line(ChildFailedError("ddp_train", {0: victim, 1: bad})) == 2
+    assert capsys.readouterr().err == "ddp-agent: 2 workers failed; rank 1 (local rank 1): exit code 2\n"
+    stopped = ProcessFailure(local_rank=2, pid=125, exitcode=143, error_file="<N/A>")
+    stopped.timestamp = victim.timestamp - 1
+    assert agent._failed_line(ChildFailedError("ddp_train", {2: stopped, 0: victim})) == 1
+    assert capsys.readouterr().err == "ddp-agent: 2 workers failed; rank 0 (local rank 0): exit code 1\n"
