@@ -51,6 +51,7 @@ _TRACEBACK_START = re.compile(
     r"The above exception was the direct cause|Exception ignored in)"
 )
 _CPP_FRAME = re.compile(r"^(frame #\d+: |Exception raised from |<omitting python frames>)")
+_FRAME_FILE = re.compile(r'^\s+File "')
 _NOISE = re.compile(r"^\s*(Traceback \(most recent call last\)|File \"|raise |\^+$|warnings\.warn)|Warning:")
 
 
@@ -86,7 +87,8 @@ class JobLog:
         self._lock = threading.Lock()
         self._files: dict[str, IO[str]] = {}
         self._tail: dict[str, list[str]] = {}
-        self._in_traceback: dict[str, bool] = {}
+        self._in_traceback: dict[str, bool] = {}  # per host and rank prefix
+        self._in_frame: dict[str, bool] = {}  # the same, after a traceback's `  File "...` line
         self.hidden: dict[str, int] = {}  # per host: traceback lines written to its log, not the console
         self._launcher = _append(self.dir / "launcher.log")
         self.live = ""  # the one live status line kept under the scrolling output on a TTY (set_live)
@@ -136,15 +138,24 @@ class JobLog:
                 self._write(shown + "\n")
 
     def _traceback_line(self, host: str, text: str) -> bool:  # with the lock held
-        """True for a line inside a traceback (its exception line excepted) or a C++ frame."""
-        body = _RANK_PREFIX.sub("", text, count=1)
+        """True for a line inside a traceback (its exception line excepted) or a C++ frame. The state is
+        per rank where torch prefixes the lines with `[rankN]: `: the ranks of a host interleave."""
+        prefix = _RANK_PREFIX.match(text)
+        key = f"{host}\0{prefix.group(0).strip() if prefix else ''}"
+        body = text[prefix.end() :] if prefix else text
         if _TRACEBACK_START.match(body) or _CPP_FRAME.match(body):
-            self._in_traceback[host] = True
+            self._in_traceback[key] = True
             return True
-        if self._in_traceback.get(host):
+        if _FRAME_FILE.match(body):  # a frame and the indented source lines under it, in any state
+            self._in_frame[key] = True
+            return True
+        if self._in_frame.pop(key, False) and body.strip() and body[:1].isspace():
+            self._in_frame[key] = True  # its source line, then any ^^^^ marker line
+            return True
+        if self._in_traceback.get(key):
             if not body.strip() or body[:1].isspace():
                 return True
-            self._in_traceback[host] = False  # the exception line ends it and is shown
+            self._in_traceback[key] = False  # the exception line ends it and is shown
         return False
 
     def tail(self, host: str) -> list[str]:

@@ -303,3 +303,26 @@ def test_agent_names_the_worker_that_failed_on_its_own_when_several_fail_in_the_
     stopped.timestamp = victim.timestamp - 1
     assert agent._failed_line(ChildFailedError("ddp_train", {2: stopped, 0: victim})) == 1
     assert capsys.readouterr().err == "ddp-agent: 2 workers failed; rank 0 (local rank 0): exit code 1\n"
+
+
+def test_traceback_bodies_stay_hidden_when_other_ranks_lines_interleave(tmp_path: Path) -> None:
+    # review #3: the "inside a traceback" state was per host: any other rank's line ended the hiding
+    console = tmp_path / "console.txt"
+    lines = [
+        "[rank0]: Traceback (most recent call last):",
+        "[rank1]: ddp-train: stopped: a peer rank went away (its host log has the cause): RuntimeError: x",
+        '[rank0]:   File "/w/ddp_train/trainer.py", line 675, in run',
+        "[rank0]:     code = trainer.fit()",
+        "[rank0]: torch.OutOfMemoryError: CUDA out of memory",
+        "Traceback (most recent call last):",
+        "W1203 21:43:44.5 elastic/agent/server/api.py:753] Received 15 death signal, shutting down workers",
+        '  File "/w/plugin.py", line 3, in <module>',
+        "    build()",
+        "ValueError: boom",
+    ]
+    with console.open("w") as out:
+        log = JobLog(tmp_path / "logs", "j", console=out)
+        for line in lines:
+            log.line("n0", "n0 r0", line)
+        log.close()
+    assert console.read_text().splitlines() == [f"[n0 r0] {lines[i]}" for i in (1, 4, 6, 9)]
