@@ -123,14 +123,28 @@ def _failed_line(e: Exception) -> int:
     report block (the worker's own lines above say why); exits with that worker's code, or 128 + the
     signal that killed it. torch 2.13 elastic/multiprocessing/errors/__init__.py: ChildFailedError
     .get_first_failure() -> (global rank, ProcessFailure with exitcode, message, local_rank)."""
-    rank, failure = e.get_first_failure()  # type: ignore[attr-defined]
+    failures = e.failures  # type: ignore[attr-defined]
+    # ProcessFailure.timestamp is int(time.time()) at detection: workers failing in the same poll tie
+    # (get_first_failure then takes the lowest rank). Prefer a worker that failed on its own: bad input
+    # (2), a signal, any code but 1 (which its peers exit with as a consequence) or 128 + a stop signal.
+    rank, failure = min(
+        failures.items(),
+        key=lambda rf: (_consequence_class(int(rf[1].exitcode)), rf[1].timestamp, rf[0]),
+    )
     code = int(failure.exitcode)
     how = f"exit code {code}" if code >= 0 else str(failure.message)  # "Signal 9 (SIGKILL) received by PID n"
-    others = len(e.failures) - 1  # type: ignore[attr-defined]
-    also = f" ({others} more worker(s) failed after it)" if others > 0 else ""
-    line = f"ddp-agent: worker rank {rank} (local rank {failure.local_rank}) failed first: {how}{also}"
+    who = f"rank {rank} (local rank {failure.local_rank})"
+    if len(failures) > 1:
+        line = f"ddp-agent: {len(failures)} workers failed; {who}: {how}"
+    else:
+        line = f"ddp-agent: worker {who} failed first: {how}"
     print(line, file=sys.stderr, flush=True)
     return code if code > 0 else (128 - code if code < 0 else 1)
+
+
+def _consequence_class(code: int) -> int:
+    """0: a worker's own failure (2, 3, a signal...); 1: exit 1 (also a peer's consequence); 2: a stop."""
+    return 2 if code >= 128 else (1 if code == 1 else 0)
 
 
 def private_dir(job_id: str) -> str | None:

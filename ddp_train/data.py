@@ -6,6 +6,7 @@ import json
 import logging
 import mmap
 import os
+import pickle
 import warnings
 from collections.abc import Iterator, Sized
 from dataclasses import dataclass
@@ -360,13 +361,27 @@ def _collate(items: Any) -> Any:
     return items if isinstance(items, _LoadFailure) else default_collate(items)
 
 
-def worker_start_method(device: torch.device) -> str | None:
+def worker_start_method(device: torch.device, dataset: Dataset | None = None) -> str | None:
     """How DataLoader workers start: `forkserver` once CUDA and NCCL are up in this process (torch 2.13
     nn/parallel/distributed.py, DDP's warning: "NCCL2 [is] not fork safe ... likely experience
     deadlocks"), so workers are started by a clean server process and receive the dataset pickled
     (TokenFile pickles without its map and maps the file itself). On CPU the default fork: no CUDA,
-    no NCCL, and no server process to import torch again."""
-    return "forkserver" if device.type == "cuda" else None
+    no NCCL, and no server process to import torch again. A data.plugin dataset that cannot be
+    pickled (a class defined in a function, a lambda, an open file) keeps fork, with a warning."""
+    if device.type != "cuda":
+        return None
+    if dataset is not None and not isinstance(dataset, (TokenFile, TokenSequences, SyntheticClassification)):
+        try:
+            pickle.dumps(dataset)
+        except Exception as exc:  # pickle raises PicklingError, AttributeError, TypeError, ...
+            logging.getLogger("ddp_train").warning(
+                "data.plugin's dataset cannot be pickled (%s: %s): its DataLoader workers are fork()ed, "
+                "which NCCL does not support; make it picklable to start them from a forkserver",
+                type(exc).__name__,
+                str(exc).splitlines()[0] if str(exc) else "",
+            )
+            return None
+    return "forkserver"
 
 
 class ShardedBatches:

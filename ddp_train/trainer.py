@@ -178,7 +178,7 @@ class Trainer:
             pin_memory=device.type == "cuda",
             index_log=index_log,
             prefetch_factor=cfg.data.prefetch_factor,
-            worker_start=worker_start_method(device),  # forkserver after NCCL init
+            worker_start=worker_start_method(device, train_set) if cfg.data.num_workers else None,
         )
         self.checkpoints = checkpoint.Checkpointer(
             cfg.checkpoint_dir,
@@ -629,6 +629,9 @@ PEER_GONE = re.compile(
     r"Failed to recv|Socket Timeout",
     re.IGNORECASE,
 )
+# Where an error of the process group itself comes from: gloo's and c10d's C++ sources name themselves
+# in the message ("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] ..."); NCCL's say NCCL.
+FROM_DIST = re.compile(r"\[[\w./-]+\.(?:cc|cpp|hpp|h):\d+\]|\bgloo\b|\bc10d\b|\bNCCL\b|ProcessGroup\w+")
 
 
 def consequence(exc: BaseException, signum: int | None) -> str | None:
@@ -640,7 +643,12 @@ def consequence(exc: BaseException, signum: int | None) -> str | None:
         chain.append(e)
         e = e.__cause__ or e.__context__
     first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
-    lost = any(isinstance(e, torch.distributed.DistNetworkError) or PEER_GONE.search(str(e)) for e in chain)
+    # only an error of the process group counts: a plug-in's own "Connection reset by peer", or a bug
+    # met during a stop's final save, is this rank's failure and keeps its traceback
+    dist = [e for e in chain if isinstance(e, torch.distributed.DistError) or FROM_DIST.search(str(e))]
+    if not dist:
+        return None
+    lost = any(isinstance(e, torch.distributed.DistNetworkError) or PEER_GONE.search(str(e)) for e in dist)
     if signum is not None:
         name = signal.Signals(signum).name
         how = "a peer went away" if lost else "it failed"
@@ -691,7 +699,12 @@ def run(cfg: Config, source: str = "config") -> int:
     except Exception as exc:
         why = consequence(exc, stop.signum)
         if why is None:
-            raise
+            # this rank's own failure: its traceback and error line now, before the finally below takes
+            # the process group down (its peers then print "stopped:" lines that must not come first)
+            sys.stderr.write("".join(traceback.format_exception(exc)))
+            first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+            emit_line(f"ddp-train: error: {type(exc).__name__}" + (f": {first}" if first else ""), sys.stderr)
+            return exitcodes.FAILURE
         # the traceback for the host log (ddp-launch keeps indented traceback lines off its console),
         # then the one line that says why this rank failed
         sys.stderr.write(indented_traceback(exc))

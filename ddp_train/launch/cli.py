@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -253,10 +254,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ddp_train.storage import StorageError, disk_error
 
         cause = disk_error(e)
-        if cause is None:
+        if cause is None or not (_own_write(e) or _own_write(cause)):
             raise
         path = cause.filename if isinstance(cause.filename, str) else "logs"
         return _usage(str(StorageError("writing the job's logs and state", path, cause)))
+
+
+def _own_write(exc: BaseException) -> bool:
+    """Whether `exc` came from one of the launcher's own writes (its job directory, job.json, the
+    monitor's files), not from something else that reads or writes, such as an unreadable --config."""
+    from ddp_train.launch import jobcmds, jobstate, logs
+
+    writes = [jobstate.private_dir, jobstate.open_private, jobstate.write_private, jobstate.write_state]
+    writes += [logs._append, jobcmds.detach]
+    writes += [f for f in vars(logs.JobLog).values() if hasattr(f, "__code__")]  # its files, summary.json
+    own = {f.__code__ for f in writes}
+    return any(frame.f_code in own for frame, _ in traceback.walk_tb(exc.__traceback__))
 
 
 def _main(argv: Sequence[str] | None) -> int:

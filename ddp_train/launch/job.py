@@ -595,7 +595,7 @@ class Job:
         if root is None or r is root or r.error or r.lost or not r.failed:
             return err
         if r.signalled or (err and (PEER_FAILURE.search(err) or OUR_SIGNAL.search(err))):
-            return f"stopped: rank {root.plan.rank} failed ({root.name})"
+            return f"stopped: node {root.plan.rank} failed ({root.name})"
         return err
 
     def _summary(self, code: int, leftovers: dict[str, list[str]], elapsed: float) -> None:

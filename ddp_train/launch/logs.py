@@ -20,16 +20,22 @@ from typing import IO, Any
 from ddp_train.launch.jobstate import open_private, private_dir, write_private
 from ddp_train.launch.plan import mask_text
 
-# Lines that tell why a node failed, best first: the trainer's one-line reason, a signal that killed a
-# worker (torchrun's root cause),
-# an exception or error message of the trainer, torchrun's exit code report, then anything error-like.
+# Lines that tell why a node failed, best first: the trainer's one-line error, a signal that killed a
+# worker (torchrun's root cause), an exception or error message (not one inside an indented traceback),
+# the trainer's "stopped:" line (a rank that stopped because a peer failed or a stop came: on a node
+# whose own rank failed, it may come before that rank's error), a stop signal, torchrun's exit code
+# report, then anything error-like.
+_STOPPED = re.compile(r"ddp-train: stopped: ")
+_EXCEPTION = re.compile(
+    r"(?<![\w.])(?:\w+\.)*(?!ChildFailedError|SignalException)\w*(Error|Exception): \S|"
+    r"ddp-train: error|^error: "
+)
 _RANKED = (
-    re.compile(r"ddp-train: (error|stopped): "),  # the trainer's own one-line reason (trainer.run)
+    re.compile(r"ddp-train: error: "),  # the trainer's own one-line reason (trainer.run)
+    re.compile(r"Signal \d+ \((?!SIGTERM|SIGINT|SIGHUP)SIG\w+\) received by PID \d+"),
+    _EXCEPTION,
+    _STOPPED,
     re.compile(r"Signal \d+ \(SIG\w+\) received by PID \d+"),
-    re.compile(
-        r"(?<![\w.])(?:\w+\.)*(?!ChildFailedError|SignalException)\w*(Error|Exception): \S|"
-        r"ddp-train: error|^error: "
-    ),
     re.compile(r"exitcode\s*:\s*-?[1-9]"),
     re.compile(
         r"\b(FATAL|Fatal|fatal|Killed|Segmentation fault|No such file or directory|Permission denied|"
@@ -45,16 +51,21 @@ _TRACEBACK_START = re.compile(
     r"The above exception was the direct cause|Exception ignored in)"
 )
 _CPP_FRAME = re.compile(r"^(frame #\d+: |Exception raised from |<omitting python frames>)")
+_FRAME_FILE = re.compile(r'^\s+File "')
 _NOISE = re.compile(r"^\s*(Traceback \(most recent call last\)|File \"|raise |\^+$|warnings\.warn)|Warning:")
 
 
 def first_error(lines: Sequence[str]) -> str | None:
     """The line of a node's output that best explains its failure, or None."""
-    useful = [ln.strip() for ln in lines if ln.strip() and not _NOISE.search(ln)]
+    useful = [ln for ln in lines if ln.strip() and not _NOISE.search(ln)]
     for pattern in _RANKED:
         for ln in useful:
-            if pattern.search(ln):
-                return ln
+            if _STOPPED.search(ln) and pattern is not _STOPPED:
+                continue  # its "RuntimeError: ..." is a peer's failure seen from here
+            if pattern is _EXCEPTION and _RANK_PREFIX.sub("", ln, count=1)[:1].isspace():
+                continue  # a line inside a traceback (the trainer indents the ones of consequences)
+            if pattern.search(ln.strip()):
+                return ln.strip()
     return None
 
 
@@ -76,7 +87,8 @@ class JobLog:
         self._lock = threading.Lock()
         self._files: dict[str, IO[str]] = {}
         self._tail: dict[str, list[str]] = {}
-        self._in_traceback: dict[str, bool] = {}
+        self._in_traceback: dict[str, bool] = {}  # per host and rank prefix
+        self._in_frame: dict[str, bool] = {}  # the same, after a traceback's `  File "...` line
         self.hidden: dict[str, int] = {}  # per host: traceback lines written to its log, not the console
         self._launcher = _append(self.dir / "launcher.log")
         self.live = ""  # the one live status line kept under the scrolling output on a TTY (set_live)
@@ -126,15 +138,24 @@ class JobLog:
                 self._write(shown + "\n")
 
     def _traceback_line(self, host: str, text: str) -> bool:  # with the lock held
-        """True for a line inside a traceback (its exception line excepted) or a C++ frame."""
-        body = _RANK_PREFIX.sub("", text, count=1)
+        """True for a line inside a traceback (its exception line excepted) or a C++ frame. The state is
+        per rank where torch prefixes the lines with `[rankN]: `: the ranks of a host interleave."""
+        prefix = _RANK_PREFIX.match(text)
+        key = f"{host}\0{prefix.group(0).strip() if prefix else ''}"
+        body = text[prefix.end() :] if prefix else text
         if _TRACEBACK_START.match(body) or _CPP_FRAME.match(body):
-            self._in_traceback[host] = True
+            self._in_traceback[key] = True
             return True
-        if self._in_traceback.get(host):
+        if _FRAME_FILE.match(body):  # a frame and the indented source lines under it, in any state
+            self._in_frame[key] = True
+            return True
+        if self._in_frame.pop(key, False) and body.strip() and body[:1].isspace():
+            self._in_frame[key] = True  # its source line, then any ^^^^ marker line
+            return True
+        if self._in_traceback.get(key):
             if not body.strip() or body[:1].isspace():
                 return True
-            self._in_traceback[host] = False  # the exception line ends it and is shown
+            self._in_traceback[key] = False  # the exception line ends it and is shown
         return False
 
     def tail(self, host: str) -> list[str]:
@@ -160,7 +181,8 @@ class JobLog:
 
     def write_json(self, name: str, data: Any) -> Path:
         path = self.dir / name
-        text = mask_text(json.dumps(data, indent=2, sort_keys=True), self.secrets) + "\n"
+        # only string leaves are masked: a secret value such as "false" must not turn JSON's false into ***
+        text = json.dumps(_mask_leaves(data, self.secrets), indent=2, sort_keys=True) + "\n"
         write_private(path, text.encode())
         return path
 
@@ -172,6 +194,17 @@ class JobLog:
             for f in self._files.values():
                 f.close()
             self._launcher.close()
+
+
+def _mask_leaves(data: Any, secrets: Sequence[str]) -> Any:
+    """`data` with every string in it (keys too) masked; numbers, booleans and None as they are."""
+    if isinstance(data, str):
+        return mask_text(data, secrets)
+    if isinstance(data, dict):
+        return {_mask_leaves(k, secrets): _mask_leaves(v, secrets) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_mask_leaves(v, secrets) for v in data]
+    return data
 
 
 def _append(path: Path) -> IO[str]:

@@ -36,7 +36,7 @@ def test_disk_full_run_dir_is_one_line_with_its_path_and_a_short_console(tmp_pat
         assert f" free of 1.0 MiB on {full}; checkpoint step " in errors[0] and "(ENOSPC)" in errors[0], out
         kept = Path(re.search(r"checkpoint step \d+ is intact \((\S+)\)", errors[0])[1])
         assert checkpoint.load(kept)  # the previous checkpoint is intact
-        assert rows(out)["local1"] == "stopped: rank 0 failed (local0)", out
+        assert rows(out)["local1"] == "stopped: node 0 failed (local0)", out
         assert "Traceback" not in out and "frame #" not in out, out
         # the cause, the consequences and the summary: the trainer's progress lines aside, under 20 lines
         assert len([ln for ln in lines if " INFO " not in ln]) <= 20, out

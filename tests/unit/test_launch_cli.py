@@ -146,3 +146,40 @@ def test_the_documented_prod_inventory_dry_runs(capsys: pytest.CaptureFixture) -
     assert code == 0, err
     assert out.count("--master-addr 198.51.100.10") == 3
     assert out.count("--node-rank") == 3
+
+
+def test_only_the_launchers_own_writes_are_reported_as_a_failed_log_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    # review #7: an unreadable --config (EACCES anywhere in _main) read as "writing the job's logs failed"
+    import errno
+
+    from ddp_train.launch import cli, jobstate
+
+    def unreadable(_argv: object) -> int:
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "cfg.yaml"))
+
+    monkeypatch.setattr(cli, "_main", unreadable)
+    with pytest.raises(PermissionError):
+        main([])
+    assert "writing the job's logs" not in capsys.readouterr().err
+
+    def refused_write(_argv: object) -> int:
+        jobstate.write_private(tmp_path / "no-such-dir" / "job.json", b"{}")  # ENOENT: not a disk error
+        return 0
+
+    def full_disk(_argv: object) -> int:
+        def enospc(*_a: object, **_k: object) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "j" / "job.json"))
+
+        with monkeypatch.context() as m:
+            m.setattr(jobstate.os, "open", enospc)
+            jobstate.write_private(tmp_path / "j" / "job.json", b"{}")
+        return 0
+
+    monkeypatch.setattr(cli, "_main", refused_write)
+    with pytest.raises(FileNotFoundError):
+        main([])
+    monkeypatch.setattr(cli, "_main", full_disk)
+    assert main([]) == 2
+    assert "writing the job's logs and state failed: No space left on device" in capsys.readouterr().err

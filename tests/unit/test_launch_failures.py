@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 import ddp_train.trainer as trainer
@@ -108,7 +109,7 @@ def test_first_error_of_a_consequence_names_the_failed_rank_or_the_watchdog(tmp_
     errors = summary_errors(tmp_path / "a", failed)
     assert errors == {
         "n0": "ddp-train: error: /r/best.pt: saving best.pt of step 40 failed: No space",
-        "n1": "stopped: rank 0 failed (n0)",
+        "n1": "stopped: node 0 failed (n0)",
     }
 
     def stalled(j: Job) -> None:
@@ -224,3 +225,104 @@ def test_a_ranks_stack_dump_file_is_removed_at_exit(tmp_path: Path, monkeypatch:
         if stackdump._file is not None:
             stackdump._file.close()
         monkeypatch.setattr(stackdump, "_file", None)
+
+
+def test_summary_json_stays_valid_when_a_secret_value_is_false(tmp_path: Path) -> None:
+    # review #6: TOKENIZERS_PARALLELISM=false is a "secret" by name; `"detached": false` stayed JSON
+    log = JobLog(tmp_path, "j", secrets=["false", "hf_abc123"], quiet=True)
+    path = log.write_json("summary.json", {"detached": False, "env": {"HF_TOKEN": "hf_abc123"}, "n": 3})
+    log.close()
+    data = json.loads(path.read_text())
+    assert data == {"detached": False, "env": {"HF_TOKEN": "***"}, "n": 3}
+
+
+def test_first_error_prefers_a_real_error_over_a_bystanders_stopped_line() -> None:
+    # review #2: the failing rank's traceback comes after its node peers' "stopped:" lines
+    lines = [
+        "[rank1]: ddp-train: stopped: a peer rank went away (its host log has the cause): RuntimeError: "
+        "Connection closed by peer",
+        "[rank0]: Traceback (most recent call last):",
+        '[rank0]:   File "/w/ddp_train/trainer.py", line 675, in run',
+        "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+    ]
+    assert first_error(lines) == lines[-1]
+    assert first_error(["ddp-train: stopped: x: RuntimeError: closed by peer", "ddp-train: error: bad"]) == (
+        "ddp-train: error: bad"
+    )
+
+
+def test_a_ranks_own_error_line_is_written_before_the_process_group_goes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from ddp_train import distributed, exitcodes
+    from ddp_train.config import load_config
+
+    def oom(*_a: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    seen: list[str] = []
+    monkeypatch.setattr(distributed, "init", oom)
+    monkeypatch.setattr(distributed, "shutdown", lambda: seen.append(capsys.readouterr().err))
+    cfg = load_config(None, [f"run.dir={tmp_path / 'runs'}"])
+    assert trainer.run(cfg) == exitcodes.FAILURE
+    assert seen and seen[0].splitlines()[-1] == (
+        "ddp-train: error: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    )
+    assert "Traceback (most recent call last):" in seen[0]
+
+
+def test_a_ranks_own_failure_is_no_consequence_even_when_it_mentions_a_peer_or_a_stop_came() -> None:
+    # review #4: a plug-in's HTTP reset, or a bug during the stop's final save, is this rank's failure
+    try:
+        try:
+            raise ConnectionResetError(104, "Connection reset by peer")
+        except OSError as e:
+            raise RuntimeError("fetching shard 3 from https://data.example/x failed") from e
+    except RuntimeError as exc:
+        assert trainer.consequence(exc, None) is None
+        assert trainer.consequence(exc, 15) is None
+    bug = KeyError("model.step")
+    assert trainer.consequence(bug, 15) is None
+    store = torch.distributed.DistNetworkError("failed to recv, got 0 bytes")
+    assert trainer.consequence(store, None).startswith("a peer rank went away")
+    assert trainer.consequence(store, 15).startswith("SIGTERM received during a collective, then a peer went")
+    backend = torch.distributed.DistBackendError("NCCL error: remote process exited")
+    assert trainer.consequence(backend, 15).startswith("SIGTERM received during a collective, then it failed")
+
+
+def test_agent_names_the_worker_that_failed_on_its_own_when_several_fail_in_the_same_second(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    # review #5: rank 1 exits 2 (bad token file), rank 0 exits 1 as its consequence: the node exits 2
+    bad = ProcessFailure(local_rank=1, pid=124, exitcode=2, error_file="<N/A>")
+    victim = ProcessFailure(local_rank=0, pid=123, exitcode=1, error_file="<N/A>")
+    victim.timestamp = bad.timestamp = 1_700_000_000  # int(time.time()) at detection: a tie
+    assert agent._failed_line(ChildFailedError("ddp_train", {0: victim, 1: bad})) == 2
+    assert capsys.readouterr().err == "ddp-agent: 2 workers failed; rank 1 (local rank 1): exit code 2\n"
+    stopped = ProcessFailure(local_rank=2, pid=125, exitcode=143, error_file="<N/A>")
+    stopped.timestamp = victim.timestamp - 1
+    assert agent._failed_line(ChildFailedError("ddp_train", {2: stopped, 0: victim})) == 1
+    assert capsys.readouterr().err == "ddp-agent: 2 workers failed; rank 0 (local rank 0): exit code 1\n"
+
+
+def test_traceback_bodies_stay_hidden_when_other_ranks_lines_interleave(tmp_path: Path) -> None:
+    # review #3: the "inside a traceback" state was per host: any other rank's line ended the hiding
+    console = tmp_path / "console.txt"
+    lines = [
+        "[rank0]: Traceback (most recent call last):",
+        "[rank1]: ddp-train: stopped: a peer rank went away (its host log has the cause): RuntimeError: x",
+        '[rank0]:   File "/w/ddp_train/trainer.py", line 675, in run',
+        "[rank0]:     code = trainer.fit()",
+        "[rank0]: torch.OutOfMemoryError: CUDA out of memory",
+        "Traceback (most recent call last):",
+        "W1203 21:43:44.5 elastic/agent/server/api.py:753] Received 15 death signal, shutting down workers",
+        '  File "/w/plugin.py", line 3, in <module>',
+        "    build()",
+        "ValueError: boom",
+    ]
+    with console.open("w") as out:
+        log = JobLog(tmp_path / "logs", "j", console=out)
+        for line in lines:
+            log.line("n0", "n0 r0", line)
+        log.close()
+    assert console.read_text().splitlines() == [f"[n0 r0] {lines[i]}" for i in (1, 4, 6, 9)]

@@ -286,6 +286,24 @@ def test_workers_start_from_a_forkserver_on_cuda_and_read_the_same_batches(tmp_p
         served.close()
 
 
+def test_a_plugin_dataset_that_cannot_be_pickled_keeps_fork_workers(caplog):
+    # review #1: forkserver pickles the dataset into each worker; a plug-in's local class cannot be
+    class Local(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return torch.tensor([i])
+
+    cuda = torch.device("cuda", 0)
+    assert data.worker_start_method(cuda, Local()) is None
+    assert "data.plugin" in caplog.text and "fork" in caplog.text
+    rows = data.TokenSequences(torch.zeros(4, 3, dtype=torch.long))
+    assert data.worker_start_method(cuda, rows) == "forkserver"
+    assert data.worker_start_method(cuda, torch.utils.data.TensorDataset(torch.zeros(4))) == "forkserver"
+    assert data.worker_start_method(torch.device("cpu"), Local()) is None
+
+
 # --- 7: compiled, the first step and the first validation get dist.compile_timeout_s ------------------
 
 
