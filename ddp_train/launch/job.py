@@ -591,7 +591,8 @@ class Job:
         if self.stalled:
             if r is root:
                 return err or "stalled: no progress (the watchdog's stacks name it)"
-            return "stopped by the stall watchdog" if r.failed or r.signalled else err
+            # whatever it printed once the watchdog stopped the job (torchrun's SignalException, a peer gone)
+            return "stopped by the stall watchdog" if err or r.failed or r.signalled else None
         if root is None or r is root or r.error or r.lost or not r.failed:
             return err
         if r.signalled or (err and (PEER_FAILURE.search(err) or OUR_SIGNAL.search(err))):
