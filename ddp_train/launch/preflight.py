@@ -27,6 +27,7 @@ from ddp_train.launch.logs import table
 from ddp_train.launch.plan import JobPlan, NodePlan, resolve
 from ddp_train.launch.remote import RemoteError, Session, Stream, open_session
 from ddp_train.launch.sync import TREE_SRC, node_python
+from ddp_train.storage import size_text
 
 PROBE_MARK = "DDP-PROBE "
 FINGERPRINT = "ddp-train-fingerprint.json"
@@ -776,20 +777,15 @@ def check_space(checks: list[NodeCheck], cfg: Any, strict: bool) -> None:
         entry = mounts.setdefault(st[0], [0, st[1], []])
         entry[0] += n
         entry[2].append(d)
-    best_text = f", {_mib(best)} best.pt" if len(labels) > 1 or run_dir == ckpt_dir else ""
+    best_text = f", {size_text(best)} best.pt" if len(labels) > 1 or run_dir == ckpt_dir else ""
     for where, (needed, free, dirs) in mounts.items():
         if free >= needed:
             continue
         what = " and ".join(labels[d] for d in dirs)
         msg = (
-            f"{', '.join(dirs)} ({where}): {_mib(free)} free, less than {what} need ({_mib(needed)}: "
-            f"{_mib(ckpt)} per checkpoint{best_text}, estimated from the model's parameters and "
+            f"{', '.join(dirs)} ({where}): {size_text(free)} free, less than {what} need "
+            f"({size_text(needed)}: "
+            f"{size_text(ckpt)} per checkpoint{best_text}, estimated from the model's parameters and "
             "optimizer state); a full disk stops the job at a save"
         )
         (c.fail if strict else c.warnings.append)(msg)
-
-
-def _mib(n: float) -> str:
-    from ddp_train.storage import size_text
-
-    return size_text(n)

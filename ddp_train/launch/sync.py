@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from ddp_train.launch.errors import LaunchError, one_line
 from ddp_train.launch.inventory import Node, SshTarget
+from ddp_train.storage import size_text
 
 if TYPE_CHECKING:
     from ddp_train.launch.remote import Session
@@ -234,14 +235,6 @@ def parse_size(text: str, where: str) -> int:
     return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
 
 
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 def _glob_regex(pattern: str) -> str:
     """One gitignore glob (without its leading '/' or trailing '/') as a regex over '/'-separated paths."""
     out, i = [], 0
@@ -348,8 +341,8 @@ def scan(directory: str, exclude: Sequence[str] = (), max_bytes: int = DEFAULT_M
             per_top[top + ("/" if sep else "")] = per_top.get(top + ("/" if sep else ""), 0) + size
         biggest = sorted(per_top.items(), key=lambda kv: -kv[1])[:3]
         raise LaunchError(
-            f"--sync {directory}: {human(total)} is over the {human(max_bytes)} limit; biggest: "
-            + ", ".join(f"{k} {human(v)}" for k, v in biggest)
+            f"--sync {directory}: {size_text(total)} is over the {size_text(max_bytes)} limit; biggest: "
+            + ", ".join(f"{k} {size_text(v)}" for k, v in biggest)
             + f" (exclude them in {IGNORE_FILE}/{ROOT_IGNORE_FILE} or --sync-exclude,"
             " or raise --sync-max-size)"
         )
