@@ -7,7 +7,6 @@ is ever fetched from a hub: a tokenizer is either built here or read from a file
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -131,16 +130,3 @@ def load_file(path: str | Path, kind: str = "file") -> HFTokenizer:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return " ".join(text.splitlines()[0].split()) if text else type(exc).__name__
-
-
-def from_meta(meta: dict[str, Any], directory: Path) -> Tokenizer:
-    """The tokenizer a prepared directory's meta.json names (to decode its bins)."""
-    info = meta.get("tokenizer", {})
-    if info.get("kind") == "byte":
-        return ByteTokenizer()
-    return load_file(directory / info["file"], info.get("kind", "file"))
-
-
-def describe_json(tok: Tokenizer) -> str:
-    """meta.json's tokenizer entry as compact JSON (for log lines)."""
-    return json.dumps(tok.describe(), sort_keys=True)

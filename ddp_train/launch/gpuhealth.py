@@ -16,29 +16,19 @@ A100/H100 memory error management, row remapping
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ddp_train.launch.errors import one_line
+from ddp_train.launch.node import marked_json
+from ddp_train.launch.node.probe import GPU_FIELDS as FIELDS
+from ddp_train.launch.node.probe import GPU_MARK as MARK
+from ddp_train.launch.node.probe import REMAP_FIELDS
 
-MARK = "DDP-GPU "
-# Asked in one --query-gpu call; a field this nvidia-smi does not know ('Field "x" is not a valid
-# field to query.', exit 2) is dropped and the call repeated, so an older driver still answers.
-FIELDS = (
-    "index",
-    "pci.bus_id",
-    "name",
-    "driver_version",
-    "persistence_mode",
-    "mig.mode.current",
-    "ecc.errors.uncorrected.volatile.total",
-    "retired_pages.pending",
-)
-# Rows remapping replaced page retirement on A100/H100 (retired_pages.* read [N/A] there); the
-# remap fields are a query of their own, not --query-gpu fields.
-REMAP_FIELDS = ("gpu_bus_id", "remapped_rows.pending", "remapped_rows.failure", "remapped_rows.uncorrectable")
+if TYPE_CHECKING:
+    from ddp_train.launch.preflight_model import NodeCheck
+
 NOT_AVAILABLE = ("", "n/a", "[n/a]", "not supported", "[not supported]")
 NO_DRIVER = "couldn't communicate with the NVIDIA driver"
 RESET = "reset the GPU (nvidia-smi -r -i {index}) or reboot the node"
@@ -64,93 +54,6 @@ XID_NAMES = {
 }
 XID_LINE = re.compile(r"NVRM: Xid \(PCI:([0-9a-fA-F]+):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})[^)]*\): (\d+),")
 OFF_BUS_LINE = re.compile(r"NVRM: The NVIDIA GPU ([0-9a-fA-F]+):([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.\d")
-
-# Appended to the preflight probe (so it costs no extra SSH round trip); prints "DDP-GPU {json}".
-# Flags after the probe's own two arguments: --gpu-health-off, --gpu-health-dcgm.
-COLLECT = r"""
-def _ddp_gpu_health(argv, fields, remap_fields):
-    import os, re, shutil, subprocess, time
-    # The probe's SSH call allows 120 s in all, counted from the probe's start (_DDP_T0, set first thing
-    # in preflight.PROBE: the torch import before this may already have used some of it).
-    end = globals().get("_DDP_T0", time.time()) + 90
-    def run(cmd, limit=20):
-        left = max(1, int(min(limit, end - time.time())))
-        try:
-            p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, universal_newlines=True, errors="replace")
-        except OSError as e:
-            return [126, "%s: %s" % (cmd[0], e.strerror or e)]
-        try:
-            out = p.communicate(timeout=left)[0]
-            return [p.returncode, out[-30000:]]
-        except subprocess.TimeoutExpired:
-            p.kill()  # an nvidia-smi stuck in D state (GPU off the bus) may never die: don't wait on it
-            try:
-                p.communicate(timeout=2)
-            except subprocess.TimeoutExpired:
-                pass
-            return [124, "%s timed out after %ds" % (os.path.basename(cmd[0]), left)]
-    h = {"driver": os.path.exists("/proc/driver/nvidia/version"), "smi": shutil.which("nvidia-smi")}
-    if not h["smi"] and not h["driver"]:
-        return h  # no NVIDIA GPU here: nothing to check
-    if h["smi"]:
-        fields = list(fields)
-        while True:
-            code, out = run([h["smi"], "--query-gpu=" + ",".join(fields), "--format=csv,noheader,nounits"])
-            bad = re.search(r'Field "([^"]+)" is not a valid field', out)
-            if not (code and bad and bad.group(1) in fields[3:]):
-                break
-            fields.remove(bad.group(1))
-        h["query"] = [code, out, fields]
-        if code == 0:
-            h["remap"] = run([h["smi"], "--query-remapped-rows=" + ",".join(remap_fields),
-                              "--format=csv,noheader,nounits"])
-            code, out = run([h["smi"], "-q"])
-            keep, depth = [], None
-            for line in out.splitlines():
-                indent = len(line) - len(line.lstrip())
-                if re.match(r"GPU [0-9A-Fa-f]+:[0-9A-Fa-f]{2}:", line):
-                    keep.append(line)
-                    depth = None
-                elif line.strip() == "Fabric":
-                    keep.append(line)
-                    depth = indent
-                elif depth is not None and line.strip() and indent > depth:
-                    keep.append(line)
-                elif line.strip():
-                    depth = None
-            h["fabric"] = [code, "\n".join(keep) if code == 0 else out]
-    try:
-        h["nvswitches"] = len(os.listdir("/proc/driver/nvidia-nvswitch/devices"))
-    except OSError:
-        h["nvswitches"] = 0
-    if h["nvswitches"] and shutil.which("systemctl"):
-        h["fm_service"] = run(["systemctl", "is-active", "nvidia-fabricmanager"], 10)
-    tried = []
-    for cmd in (["dmesg"], ["journalctl", "-k", "-b", "-q", "--no-pager"]):
-        exe = shutil.which(cmd[0])
-        if not exe:
-            continue
-        code, out = run([exe] + cmd[1:])
-        if code == 0 and "insufficient permissions" not in out and "not seeing messages" not in out:
-            lines = [ln for ln in out.splitlines()
-                     if "NVRM: Xid" in ln or "NVRM: The NVIDIA GPU" in ln or "fallen off the bus" in ln]
-            h["kernel_log"] = {"source": " ".join(cmd), "lines": lines[-200:]}
-            break
-        tried.append("%s: %s" % (" ".join(cmd), (out.strip().splitlines() or ["exit %d" % code])[-1][:200]))
-    else:
-        h["kernel_log"] = {"error": "; ".join(tried) or "neither dmesg nor journalctl found"}
-    if "--gpu-health-dcgm" in argv:
-        exe = shutil.which("dcgmi")
-        h["dcgm"] = run([exe, "diag", "-r", "1"], 75) if exe else None
-    return h
-if "--gpu-health-off" not in sys.argv[3:]:
-    try:
-        _gpu = _ddp_gpu_health(sys.argv[3:], __FIELDS__, __REMAP__)
-    except Exception as e:
-        _gpu = {"error": "%s: %s" % (type(e).__name__, e)}
-    print("DDP-GPU " + json.dumps(_gpu), flush=True)
-""".replace("__FIELDS__", repr(list(FIELDS))).replace("__REMAP__", repr(list(REMAP_FIELDS)))
 
 
 @dataclasses.dataclass
@@ -201,13 +104,12 @@ def probe_args(mode: str, dcgm: bool) -> list[str]:
 
 def parse_probe_output(out: str) -> dict[str, Any] | None:
     """The collector's record from the probe's output (None: the probe did not run it)."""
-    lines = [ln for ln in out.splitlines() if ln.startswith(MARK)]
-    if not lines:
-        return None
     try:
-        value = json.loads(lines[-1][len(MARK) :])
+        value = marked_json(out, MARK)
     except ValueError:
         return {"error": "unreadable GPU health record"}
+    if value is None:
+        return None
     return value if isinstance(value, dict) else {"error": "unreadable GPU health record"}
 
 
@@ -497,24 +399,19 @@ def _judge_dcgm(raw: dict, h: Health) -> None:
 # ---- hooks into preflight and doctor ----------------------------------------------------------
 
 
-def _nproc(c: Any) -> str:
-    argv = c.plan.argv
-    return argv[argv.index("--nproc-per-node") + 1] if "--nproc-per-node" in argv else c.plan.node.nproc
-
-
-def verdict(c: Any) -> Health:
+def verdict(c: NodeCheck) -> Health:
     """The verdict over a probed node (a preflight.NodeCheck); CPU jobs (--nproc-per-node cpu) may
     run on GPUs in MIG mode."""
     raw = c.facts.get("gpu_health")
-    return judge(raw, whole_gpus=_nproc(c) != "cpu", torch_gpus=c.facts.get("gpus") or 0)
+    return judge(raw, whole_gpus=c.plan.nproc != "cpu", torch_gpus=c.facts.get("gpus") or 0)
 
 
-def strict(c: Any) -> bool:
+def strict(c: NodeCheck) -> bool:
     """Whether the node's GPU problems fail preflight (ddp_gpu_health: strict, and a GPU job)."""
-    return c.plan.node.gpu_health == "strict" and _nproc(c) != "cpu"
+    return c.plan.node.gpu_health == "strict" and c.plan.nproc != "cpu"
 
 
-def check(c: Any) -> None:
+def check(c: NodeCheck) -> None:
     """Preflight: add a probed node's GPU failures and warnings (failures only warn with
     ddp_gpu_health: warn, or for a CPU job)."""
     health = verdict(c)
@@ -523,7 +420,7 @@ def check(c: Any) -> None:
     c.warnings.extend(health.warnings)
 
 
-def render(checks: Sequence[Any]) -> str | None:
+def render(checks: Sequence[NodeCheck]) -> str | None:
     """Doctor: one row per GPU node (None when no node has an NVIDIA GPU)."""
     from ddp_train.launch.logs import table
 

@@ -24,8 +24,7 @@ DEFAULT_GROUP = "gpu_nodes"
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_REMOTE_VENV = "/opt/ddp-train/venv"  # the pytorch role's default ddp_venv
 NPROC_WORDS = ("gpu", "cpu", "auto")
-SCRIPT_CHECK_MODES = ("strict", "warn", "off")
-GPU_HEALTH_MODES = ("strict", "warn", "off")
+MODES = ("strict", "warn", "off")  # ddp_script_check, ddp_gpu_health
 SSH_CONNECTIONS = (
     "ssh",
     "smart",
@@ -337,8 +336,8 @@ def _node(loader: Any, variables: Any, host: Any, extra: Mapping[str, Any], wher
         network_cidr=v.text("ddp_network_cidr"),
         sync_dir=v.text("ddp_sync_dir"),
         sync_exclude=_patterns(v, "ddp_sync_exclude"),
-        script_check=_script_check(v),
-        gpu_health=_gpu_health(v),
+        script_check=_mode(v, "ddp_script_check", "warn"),
+        gpu_health=_mode(v, "ddp_gpu_health", "strict"),
         gpu_health_dcgm=_flag(v, "ddp_gpu_health_dcgm"),
         forks=_forks(v),
     )
@@ -353,21 +352,12 @@ def _forks(v: _Vars) -> int | None:
     return int(str(value))
 
 
-def _script_check(v: _Vars) -> str:
-    value = v.get("ddp_script_check", default="warn")
+def _mode(v: _Vars, key: str, default: str) -> str:
+    value = v.get(key, default=default)
     if value is False:  # YAML 1.1 reads an unquoted `off` as false
         return "off"
-    if not isinstance(value, str) or value not in SCRIPT_CHECK_MODES:
-        raise v.error("ddp_script_check", f"{short(value)} is not one of strict, warn, off")
-    return value
-
-
-def _gpu_health(v: _Vars) -> str:
-    value = v.get("ddp_gpu_health", default="strict")
-    if value is False:  # YAML 1.1 reads an unquoted `off` as false
-        return "off"
-    if not isinstance(value, str) or value not in GPU_HEALTH_MODES:
-        raise v.error("ddp_gpu_health", f"{short(value)} is not one of strict, warn, off")
+    if not isinstance(value, str) or value not in MODES:
+        raise v.error(key, f"{short(value)} is not one of {', '.join(MODES)}")
     return value
 
 
@@ -387,19 +377,28 @@ def _patterns(v: _Vars, key: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _nproc(v: _Vars) -> str:
-    value = v.get("ddp_nproc_per_node", default=1)
+def nproc_value(value: object) -> str | None:
+    """torchrun's --nproc-per-node from an inventory value or a command line: gpu, cpu, auto or a
+    positive count (as text, without sign or leading zeros); None when `value` is none of these."""
     if isinstance(value, str) and value in NPROC_WORDS:
         return value
+    if isinstance(value, bool):
+        return None
     try:
         n = int(str(value), 10)
     except ValueError:
-        n = 0
-    if isinstance(value, bool) or n < 1:
+        return None
+    return str(n) if n >= 1 else None
+
+
+def _nproc(v: _Vars) -> str:
+    value = v.get("ddp_nproc_per_node", default=1)
+    n = nproc_value(value)
+    if n is None:
         raise v.error(
             "ddp_nproc_per_node", f"{short(value)} is not a positive integer or one of {NPROC_WORDS}"
         )
-    return str(n)
+    return n
 
 
 def _secret_env(v: _Vars) -> tuple[str, ...]:

@@ -21,49 +21,17 @@ import dataclasses
 import ipaddress
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ddp_train.launch.inventory import Node
+from ddp_train.launch.node import marked_json
+from ddp_train.launch.node.probe import NETIF_MARK as MARK
 from ddp_train.launch.plan import JobPlan, NodePlan
 
-MARK = "DDP-NETIF "
-ENV_KEYS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+if TYPE_CHECKING:
+    from ddp_train.launch.preflight_model import NodeCheck
 
-# Appended to preflight's probe (the node's python, same SSH round trip). Its arguments follow the flag
-# --netif anywhere after the probe's own two (other probe parts take flags there too): ddp_network_cidr
-# and a JSON list of addresses in it to ask the route for (the first one not the node's).
-PROBE = r"""
-def _ddp_netif(argv):
-    import ipaddress, json, os, shutil, subprocess
-    if "--netif" not in argv[:-2]:
-        return None
-    at = argv.index("--netif")
-    targets = json.loads(argv[at + 2])  # argv[at + 1]: the CIDR, for a reader of `ps`
-    ipbin = shutil.which("ip") or next(
-        (p for p in ("/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip") if os.access(p, os.X_OK)), None)
-    if not ipbin:
-        return {"error": "ip (iproute2) not found on the node"}
-    def ip_json(*args):
-        p = subprocess.run([ipbin, "-j", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           universal_newlines=True, timeout=10)
-        if p.returncode != 0:
-            raise RuntimeError("ip -j %s: %s" % (" ".join(args), (p.stderr or "").strip() or p.returncode))
-        return json.loads(p.stdout or "[]")
-    r = {}
-    try:
-        r["addr"] = ip_json("addr", "show")
-        own = {a.get("local") for i in r["addr"] for a in i.get("addr_info", [])}
-        target = next((t for t in targets if t not in own), None)
-        if target:
-            r["route_to"] = target
-            r["route"] = ip_json("route", "get", target)
-    except (OSError, ValueError, RuntimeError, subprocess.SubprocessError) as e:
-        r["error"] = str(e)
-    return r
-_ddp_netif_r = _ddp_netif(sys.argv[3:])
-if _ddp_netif_r is not None:
-    print("DDP-NETIF " + json.dumps(_ddp_netif_r), flush=True)
-"""
+ENV_KEYS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 class NetifError(ValueError):
@@ -99,7 +67,7 @@ def network(cidr: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
 
 
 def probe_argv(cidr: str | None) -> list[str]:
-    """The arguments PROBE takes (after the probe's own): none without a CIDR (it then prints nothing)."""
+    """The probe's --netif arguments (node/probe.py): none without a CIDR (it then prints nothing)."""
     if not cidr:
         return []
     try:
@@ -113,13 +81,12 @@ def probe_argv(cidr: str | None) -> list[str]:
 
 def parse_probe(output: str) -> dict[str, Any] | None:
     """The last DDP-NETIF line of a probe's output, or None."""
-    lines = [ln for ln in output.splitlines() if ln.startswith(MARK)]
-    if not lines:
-        return None
     try:
-        found = json.loads(lines[-1][len(MARK) :])
+        found = marked_json(output, MARK)
     except ValueError:
         return {"error": "unreadable interface probe output"}
+    if found is None:
+        return None
     return found if isinstance(found, dict) else {"error": "unreadable interface probe output"}
 
 
@@ -242,7 +209,7 @@ def wanted(plan: JobPlan, node: Node) -> bool:
     return bool(node.network_cidr) and not plan.all_local
 
 
-def check(plan: JobPlan, checks: Sequence[Any]) -> None:
+def check(plan: JobPlan, checks: Sequence[NodeCheck]) -> None:
     """Preflight: choose each probed node's interface (facts iface/iface_addr) or fail it with one line.
 
     `checks` are preflight's NodeChecks (plan, facts, fail, warnings)."""
@@ -274,7 +241,7 @@ def chosen(facts: Mapping[str, Any]) -> Choice | None:
     return Choice(facts["iface"], facts["iface_addr"], int(facts.get("iface_prefixlen", 0)))
 
 
-def apply(plan: JobPlan, checks: Sequence[Any], note: Callable[[str], Any] | None = None) -> JobPlan:
+def apply(plan: JobPlan, checks: Sequence[NodeCheck], note: Callable[[str], Any] | None = None) -> JobPlan:
     """The plan with each node's derived settings (after preflight passed); `note` gets one line per node.
 
     c10d: torchrun ranks the nodes by their --local-addr as text, so the nodes are ordered again."""

@@ -93,6 +93,13 @@ class NodePlan:
         """The directory torchrun starts in: the synced copy, else ddp_workdir (None: the login dir)."""
         return self.sync_dir or self.node.workdir
 
+    @property
+    def nproc(self) -> str:
+        """torchrun's --nproc-per-node on this node: gpu, cpu, auto or a count."""
+        if "--nproc-per-node" in self.argv:
+            return self.argv[self.argv.index("--nproc-per-node") + 1]
+        return self.node.nproc
+
 
 @dataclasses.dataclass(frozen=True)
 class JobPlan:

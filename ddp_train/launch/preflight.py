@@ -11,291 +11,24 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import ipaddress
 import json
 import posixpath
 import secrets
-import shlex
 import socket
 from typing import Any
 
 from ddp_train.launch import gpuhealth, netif, rdma
 from ddp_train.launch.errors import LaunchError, one_line
 from ddp_train.launch.fanout import parallel, rounds
-from ddp_train.launch.logs import table
+from ddp_train.launch.node import command, env_line, marked_json
+from ddp_train.launch.node.probe import PROBE_MARK
 from ddp_train.launch.plan import JobPlan, NodePlan, resolve
-from ddp_train.launch.remote import RemoteError, Session, Stream, open_session
-from ddp_train.launch.sync import TREE_SRC, node_python
+from ddp_train.launch.preflight_model import NodeCheck, Report
+from ddp_train.launch.remote import RemoteError, Stream, open_session
 from ddp_train.storage import size_text
 
-PROBE_MARK = "DDP-PROBE "
-FINGERPRINT = "ddp-train-fingerprint.json"
 COMPARED = ("python_minor", "torch", "cuda", "nccl", "gpus", "ddp_train")  # must be equal on every node
-
-# Runs with the node's venv python and env: versions, GPUs, hostname resolution, files the job needs.
-PROBE = r"""
-import time as _ddp_time; _DDP_T0 = _ddp_time.time()  # appended snippets budget their time from here
-import importlib.util, json, os, shutil, socket, sys
-venv, workdir = sys.argv[1], sys.argv[2]
-r = {"python": "%d.%d.%d" % sys.version_info[:3], "executable": sys.executable}
-r["hostname"] = host = socket.gethostname()
-try:
-    r["hostname_ips"] = sorted({a[4][0] for a in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)})
-except OSError as e:
-    r["hostname_error"] = str(e)
-r["setsid"] = shutil.which("setsid")
-r["torchrun"] = os.access(os.path.join(venv, "bin", "torchrun"), os.X_OK)
-r["workdir_ok"] = not workdir or os.path.isdir(workdir)
-try:
-    with open(os.path.join(venv, "ddp-train-fingerprint.json")) as f:
-        r["fingerprint"] = json.load(f)
-except (OSError, ValueError):
-    pass
-# Importing torch costs seconds per node, so its facts are cached on the node for an hour (as
-# horovodrun caches its SSH checks), keyed by everything that can change them: the python, torch's
-# installed files, the driver, and the env vars that select GPUs and libraries.
-import hashlib, time
-cache_dir = os.path.join(os.path.expanduser("~"), ".cache", "ddp-launch")
-cache_file = None
-try:
-    spec = importlib.util.find_spec("torch")
-    key = [sys.executable, spec.origin if spec else None]
-    for f in ([os.path.join(os.path.dirname(spec.origin), "version.py")] if spec else []) + [
-            "/proc/driver/nvidia/version"]:
-        try:
-            st = os.stat(f)
-            key.append((f, st.st_mtime_ns, st.st_size))
-        except OSError:
-            key.append((f, None))
-    key += [os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH", "LD_PRELOAD",
-                                         "PYTHONPATH", "NCCL_HOME")]
-    digest = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
-    cache_file = os.path.join(cache_dir, "torch-%s.json" % digest)
-    fresh = time.time() - os.stat(cache_file).st_mtime < 3600
-    if fresh and os.environ.get("DDP_LAUNCH_PROBE_CACHE", "1") != "0":
-        with open(cache_file) as f:
-            r.update(json.load(f))
-            r["torch_cached"] = True
-except (OSError, ValueError):
-    pass
-if "torch" not in r:
-    try:
-        import torch
-        t = {"torch": torch.__version__, "cuda": torch.version.cuda}
-        gpu = torch.cuda.is_available()
-        t["gpus"] = torch.cuda.device_count() if gpu else 0
-        if gpu:
-            v = torch.cuda.nccl.version()
-            t["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
-        r.update(t)
-        if cache_file:
-            try:
-                os.makedirs(cache_dir, exist_ok=True)
-                tmp = "%s.%d.tmp" % (cache_file, os.getpid())
-                with open(tmp, "w") as f:
-                    json.dump(t, f)
-                os.replace(tmp, cache_file)
-            except OSError:
-                pass
-    except Exception as e:
-        r["torch_error"] = "%s: %s" % (type(e).__name__, e)
-try:
-    if importlib.util.find_spec("ddp_train.__main__") is None:
-        r["ddp_train_error"] = "ddp_train has no __main__ (python -m ddp_train would fail)"
-    else:
-        import ddp_train
-        try:
-            from importlib.metadata import version
-            r["ddp_train"] = version("ddp-train")
-        except Exception:
-            r["ddp_train"] = getattr(ddp_train, "__version__", "unknown")
-except Exception as e:
-    r["ddp_train_error"] = "%s: %s" % (type(e).__name__, e)
-try:  # the kernel's neighbour table limit, compared with the cluster size (issue #19)
-    with open("/proc/sys/net/ipv4/neigh/default/gc_thresh3") as f:
-        r["gc_thresh3"] = int(f.read())
-except (OSError, ValueError):
-    pass
-"""
-PROBE += rdma.PROBE_SRC + 'print("DDP-PROBE " + json.dumps(r), flush=True)\n'  # RDMA ports from sysfs
-PROBE += netif.PROBE  # the node's interfaces (netif.py) in the same round trip (its own output line)
-PROBE += gpuhealth.COLLECT  # GPU health facts, last: it may use what is left of the time (its own line)
-
-# Listens on MASTER_PORT (master only) and on an ephemeral port; answers each connection with a token.
-LISTENER = r"""
-import os, select, socket, sys, time
-port, token, life = int(sys.argv[1]), sys.argv[2].encode(), float(sys.argv[3])
-socks = []
-def listen(p):
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("", p))
-    s.listen(128)
-    socks.append(s)
-    return s.getsockname()[1]
-if port:
-    try:
-        print("MASTER", listen(port), flush=True)
-    except OSError as e:
-        print("MASTER-BUSY", port, e.strerror, flush=True)
-print("EPHEMERAL", listen(0), flush=True)
-print("READY", flush=True)
-end = time.time() + life
-while time.time() < end:
-    ready = select.select(socks + [sys.stdin], [], [], 0.5)[0]
-    for s in ready:
-        if s is sys.stdin:
-            if not os.read(0, 4096):
-                sys.exit(0)
-            continue
-        c, _ = s.accept()
-        try:
-            c.sendall(token + b"\n")
-        except OSError:
-            pass
-        c.close()
-"""
-
-# Connects to every target in parallel and reports ok / the error for each; a failed connect is tried
-# once more before it counts (one dropped SYN under load must not fail a launch). An OSError is
-# reported as "ERRNO-NAME strerror" so the launcher can tell no route (EHOSTUNREACH) from refused.
-CONNECTOR = r"""
-import errno, json, socket, sys, threading
-targets, token, timeout = json.loads(sys.argv[1]), sys.argv[2], float(sys.argv[3])
-out = {}
-def attempt(ip, port):
-    try:
-        with socket.create_connection((ip, port), timeout=timeout) as s:
-            s.settimeout(timeout)
-            got = s.makefile().readline().strip()
-        return "ok" if got == token else "answered by another program (not the ddp-launch probe)"
-    except socket.timeout:
-        return "timed out after %gs" % timeout
-    except OSError as e:
-        return "%s %s" % (errno.errorcode.get(e.errno, "OSError"), e.strerror or e)
-def probe(key, ip, port):
-    first = attempt(ip, port)
-    if first == "ok" or first.startswith("answered"):
-        out[key] = first
-        return
-    second = attempt(ip, port)
-    out[key] = second if second == "ok" else "%s (twice)" % second
-ts = [threading.Thread(target=probe, args=t) for t in targets]
-[t.start() for t in ts]
-[t.join() for t in ts]
-print("DDP-CONNECT " + json.dumps(out), flush=True)
-"""
-
-# The synced copy's content digest and the files the run needs, as seen from the run's directory.
-FILES = (
-    TREE_SRC
-    + r"""
-import sys
-cwd, sync_dir, required = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-r = {"files": {}}
-if sync_dir:  # before the chdir: both paths are relative to the login dir
-    try:
-        r["sync"] = shipped(sync_dir)
-    except (OSError, ValueError) as e:
-        r["sync"] = "missing" if not os.path.isdir(sync_dir) else "incomplete (%s)" % (e.strerror or e)
-try:
-    os.chdir(cwd or ".")
-except OSError as e:
-    cwd_error = e.strerror
-else:
-    cwd_error = None
-for p in required:
-    if cwd_error and not os.path.isabs(os.path.expanduser(p)):
-        r["files"][p] = cwd_error
-        continue
-    try:
-        st = os.stat(os.path.expanduser(p))
-        r["files"][p] = [st.st_size, int(st.st_mtime)]
-    except OSError as e:
-        r["files"][p] = e.strerror
-print("DDP-FILES " + json.dumps(r), flush=True)
-"""
-)
-
-
-@dataclasses.dataclass
-class NodeCheck:
-    """What preflight learned about one node."""
-
-    plan: NodePlan
-    session: Session | None = None
-    facts: dict[str, Any] = dataclasses.field(default_factory=dict)
-    failures: list[str] = dataclasses.field(default_factory=list)
-    warnings: list[str] = dataclasses.field(default_factory=list)
-
-    @property
-    def name(self) -> str:
-        return self.plan.node.name
-
-    def fail(self, message: str) -> None:
-        self.failures.append(message)
-
-
-@dataclasses.dataclass
-class Report:
-    """Preflight results; `sessions` are the open control connections, reused for teardown."""
-
-    checks: list[NodeCheck]
-
-    @property
-    def ok(self) -> bool:
-        return not any(c.failures for c in self.checks)
-
-    def failure_lines(self) -> list[str]:
-        return [f"{c.name}: {m}" for c in self.checks for m in c.failures]
-
-    def warning_lines(self) -> list[str]:
-        return [f"{c.name}: {m}" for c in self.checks for m in c.warnings]
-
-    def sessions(self) -> dict[str, Session]:
-        return {c.name: c.session for c in self.checks if c.session is not None}
-
-    def render(self) -> str:
-        """The doctor table, then one line per failure and warning."""
-        rows = []
-        for c in self.checks:
-            f = c.facts
-            status = "ok" if not c.failures else f"FAIL ({len(c.failures)})"
-            rows.append(
-                [
-                    c.name,
-                    c.plan.rank,
-                    c.plan.node.where,
-                    f.get("python"),
-                    f.get("torch"),
-                    f.get("cuda"),
-                    f.get("nccl"),
-                    f.get("gpus"),
-                    f.get("ddp_train"),
-                    f.get("iface"),
-                    f.get("iface_addr"),
-                    status,
-                ]
-            )
-        head = [
-            "HOST",
-            "RANK",
-            "CONNECT",
-            "PYTHON",
-            "TORCH",
-            "CUDA",
-            "NCCL",
-            "GPUS",
-            "DDP_TRAIN",
-            "IFACE",
-            "ADDRESS",
-            "PREFLIGHT",
-        ]
-        lines = [table(head, rows)]
-        lines += [f"FAIL {m}" for m in self.failure_lines()]
-        lines += [f"warn {m}" for m in self.warning_lines()]
-        return "\n".join(lines)
 
 
 def run_preflight(
@@ -326,30 +59,15 @@ def probe_env(p: NodePlan) -> dict[str, str]:
     return {k: v for k, v in p.env.items() if k != "DDP_JOB_ID" and not p.secret(k)}
 
 
-# Reads the probe's environment as one JSON line from stdin (byte by byte: the rest of stdin stays for
-# the probe), then execs the probe with it, so no value is ever in a command line `ps` shows (issue #24).
-ENV_EXEC = r"""
-import json, os, sys
-line = b""
-while not line.endswith(b"\n"):
-    c = os.read(0, 1)
-    if not c:
-        break
-    line += c
-env = dict(os.environ)
-env.update(json.loads(line or b"{}"))
-os.execve(sys.executable, [sys.executable, "-c", *sys.argv[1:]], env)
-"""
-
-
-def python_command(p: NodePlan, script: str, *args: str) -> str:
-    """The node's python running `script` with `args`; its environment goes on stdin (`probe_stdin`)."""
-    return shlex.join(["exec", f"{p.node.venv.rstrip('/')}/bin/python", "-c", ENV_EXEC, script, *args])
+def python_command(p: NodePlan, module: str, *args: str) -> str:
+    """The node's python running node module `module` with `args`; its environment goes on stdin
+    (`probe_stdin`), never on the command line."""
+    return command(p.node.venv, module, *args, env=True)
 
 
 def probe_stdin(p: NodePlan) -> bytes:
     """The first line a `python_command` reads from its stdin: its environment as JSON."""
-    return (json.dumps(probe_env(p), ensure_ascii=True) + "\n").encode()
+    return env_line(probe_env(p))
 
 
 def _probe(c: NodeCheck, connect_timeout: float) -> None:
@@ -364,22 +82,26 @@ def _probe(c: NodeCheck, connect_timeout: float) -> None:
         gpu_args = gpuhealth.probe_args(node.gpu_health, node.gpu_health_dcgm)
         netif_args = netif.probe_argv(node.network_cidr)
         code, out = c.session.exec(
-            python_command(c.plan, PROBE, node.venv, node.workdir or "", *gpu_args, *netif_args),
+            python_command(c.plan, "probe", node.venv, node.workdir or "", *gpu_args, *netif_args),
             timeout=120,
             stdin=probe_stdin(c.plan),
         )
     except RemoteError as e:
         c.fail(f"probe failed: {str(e).split(': ', 1)[-1]}")
         return
-    found = [ln for ln in out.splitlines() if ln.startswith(PROBE_MARK)]
-    if code == 127 or (not found and "No such file" in out):
+    try:
+        found = marked_json(out, PROBE_MARK)
+    except ValueError:
+        c.fail(f"{python} printed an unreadable probe record")
+        return
+    if code == 127 or (found is None and "No such file" in out):
         c.fail(f"{python} not found (ddp_venv={node.venv}): run the pytorch role or set ddp_venv")
         return
-    if not found:
+    if not isinstance(found, dict):
         last = one_line(out.strip().splitlines()[-1]) if out.strip() else f"exit {code}, no output"
         c.fail(f"{python} failed: {last}")
         return
-    c.facts = json.loads(found[-1][len(PROBE_MARK) :])
+    c.facts = found
     c.facts["netif"] = netif.parse_probe(out)
     c.facts["python_minor"] = ".".join(str(c.facts.get("python", "")).split(".")[:2])
     c.facts["gpu_health"] = gpuhealth.parse_probe_output(out)
@@ -406,7 +128,7 @@ def _check_node_facts(c: NodeCheck, plan: JobPlan) -> None:
         c.fail(f"ddp_workdir {node.workdir} does not exist")
     if not plan.all_local:
         _check_hostname(c)
-    gpus, nproc = f.get("gpus") or 0, c.plan.argv[c.plan.argv.index("--nproc-per-node") + 1]
+    gpus, nproc = f.get("gpus") or 0, c.plan.nproc
     if gpus and nproc.isdigit() and int(nproc) > gpus:
         c.fail(f"{nproc} processes per node but only {gpus} GPUs")
     if nproc == "gpu" and not gpus:
@@ -444,17 +166,21 @@ def _check_files(plan: JobPlan, checks: list[NodeCheck]) -> None:
 
     def look(c: NodeCheck) -> None:
         verify = c.plan.sync_dir if plan.sync and not c.plan.node.local else ""
-        cmd = node_python(c.plan.node, FILES, c.plan.cwd or "", verify or "", json.dumps(list(plan.required)))
+        required = json.dumps(list(plan.required))
+        cmd = command(c.plan.node.venv, "files", c.plan.cwd or "", verify or "", required)
         try:
             code, out = c.session.exec(cmd, timeout=300)  # type: ignore[union-attr]
         except RemoteError as e:
             c.fail(f"file check failed: {str(e).split(': ', 1)[-1]}")
             return
-        lines = [ln for ln in out.splitlines() if ln.startswith("DDP-FILES ")]
-        if not lines:
+        try:
+            record = marked_json(out, "DDP-FILES ")
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
             c.fail(f"file check failed: {one_line(out) or f'exit {code}'}")
             return
-        found[c.name] = json.loads(lines[-1][len("DDP-FILES ") :])
+        found[c.name] = record
         if verify and found[c.name].get("sync") != plan.sync.digest:  # type: ignore[union-attr]
             got = str(found[c.name].get("sync"))
             what = got if " " in got or got == "missing" else f"has content {got[:20]}, not {plan.sync.name}"
@@ -547,7 +273,7 @@ def _check_network(plan: JobPlan, checks: list[NodeCheck], timeout: float) -> No
 
     def start(c: NodeCheck) -> tuple[Stream | None, dict[str, Any]]:
         assert c.session is not None
-        cmd = python_command(c.plan, LISTENER, str(port if c is master else 0), token, life)
+        cmd = python_command(c.plan, "listener", str(port if c is master else 0), token, life)
         try:
             stream = c.session.start(cmd, stdin=True)
             stream.send(probe_stdin(c.plan))  # then stdin stays open: its EOF ends the listener
@@ -588,7 +314,7 @@ def _check_network(plan: JobPlan, checks: list[NodeCheck], timeout: float) -> No
         def connect(c: NodeCheck) -> None:
             if not targets[c.name]:
                 return
-            cmd = python_command(c.plan, CONNECTOR, json.dumps(targets[c.name]), token, str(timeout))
+            cmd = python_command(c.plan, "connector", json.dumps(targets[c.name]), token, str(timeout))
             try:
                 code, out = c.session.exec(  # type: ignore[union-attr]
                     cmd, timeout=timeout + 60, stdin=probe_stdin(c.plan)
@@ -596,11 +322,14 @@ def _check_network(plan: JobPlan, checks: list[NodeCheck], timeout: float) -> No
             except RemoteError as e:
                 c.fail(f"network probe failed: {str(e).split(': ', 1)[-1]}")
                 return
-            found = [ln for ln in out.splitlines() if ln.startswith("DDP-CONNECT ")]
-            if not found:
+            try:
+                found = marked_json(out, "DDP-CONNECT ")
+            except ValueError:
+                found = None
+            if not isinstance(found, dict):
                 c.fail(f"network probe failed: {one_line(out) or f'exit {code}'}")
                 return
-            for key, result in json.loads(found[-1][len("DDP-CONNECT ") :]).items():
+            for key, result in found.items():
                 if result != "ok":
                     c.fail(_unreachable(key, result))
 
@@ -697,27 +426,6 @@ def _unreachable(key: str, result: str) -> str:
     )
 
 
-# Free space where rank 0 will write: each directory (relative to the node's working directory) or its
-# nearest existing parent, as shutil.disk_usage sees it.
-SPACE = r"""
-import json, os, shutil, sys
-cwd, dirs = sys.argv[1], json.loads(sys.argv[2])
-if cwd:
-    os.chdir(cwd)
-r = {}
-for d in dirs:
-    p = os.path.abspath(os.path.expanduser(d))
-    while not os.path.exists(p) and os.path.dirname(p) != p:
-        p = os.path.dirname(p)
-    try:
-        u = shutil.disk_usage(p)
-        r[d] = [p, u.free, u.total]
-    except OSError as e:
-        r[d] = str(e)
-print("DDP-SPACE " + json.dumps(r), flush=True)
-"""
-
-
 FILE_OVERHEAD = (
     64 * 1024
 )  # per file beyond the tensors: zip records, config, RNG and data state (measured ~5-25 KiB)
@@ -757,17 +465,19 @@ def check_space(checks: list[NodeCheck], cfg: Any, strict: bool) -> None:
     if cfg.eval.keep_best and cfg.eval.interval_steps:
         need[run_dir] = need.get(run_dir, 0) + best
         labels[run_dir] = "two checkpoints and best.pt" if run_dir == ckpt_dir else "best.pt"
-    cmd = node_python(c.plan.node, SPACE, c.plan.cwd or "", json.dumps(list(need)))
+    cmd = command(c.plan.node.venv, "space", c.plan.cwd or "", json.dumps(list(need)))
     try:
         _, out = c.session.exec(cmd, timeout=60)  # type: ignore[union-attr]
     except RemoteError as e:
         c.warnings.append(f"free space not checked: {one_line(str(e))}")
         return
-    lines = [ln for ln in out.splitlines() if ln.startswith("DDP-SPACE ")]
-    if not lines:
+    try:
+        found = marked_json(out, "DDP-SPACE ")
+    except ValueError:
+        found = None
+    if not isinstance(found, dict):
         c.warnings.append(f"free space not checked: {one_line(out) or 'no answer'}")
         return
-    found = json.loads(lines[-1][len("DDP-SPACE ") :])
     mounts: dict[str, list[Any]] = {}  # filesystem (nearest existing dir) -> [bytes needed, free, dirs]
     for d, n in need.items():
         st = found.get(d)

@@ -2,7 +2,7 @@
 
 Ports are read from /sys/class/infiniband/<hca>/ports/<n>/{state,link_layer,rate} (kernel ABI:
 Documentation/ABI/stable/sysfs-class-infiniband) under a root path, so tests use recorded trees. The
-same reader runs inside preflight's probe on every node (`PORTS_SRC`) and here (`read_ports`).
+same reader (node/probe.py `rdma_ports`) runs inside preflight's probe on every node and here (`read_ports`).
 
     python -m ddp_train.launch.rdma facts [--root /]       # one JSON line: the ports, active ones, rates
     python -m ddp_train.launch.rdma nccl-log < out.txt     # one JSON line: NCCL's transport, GPUDirect
@@ -16,40 +16,13 @@ import json
 import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-# Runs on the nodes (preflight's probe) and here: raw sysfs values, one dict per port.
-PORTS_SRC = r"""
-import os
-def rdma_ports(root):
-    base = os.path.join(root, "sys", "class", "infiniband")
-    out = []
-    try:
-        hcas = sorted(os.listdir(base))
-    except OSError:
-        return out
-    for hca in hcas:
-        pdir = os.path.join(base, hca, "ports")
-        try:
-            ports = sorted(os.listdir(pdir), key=lambda p: (not p.isdigit(), int(p) if p.isdigit() else 0, p))
-        except OSError:
-            continue
-        for port in ports:
-            e = {"hca": hca, "port": port}
-            for key in ("state", "link_layer", "rate"):
-                try:
-                    with open(os.path.join(pdir, port, key)) as f:
-                        e[key] = f.read().strip()
-                except OSError:
-                    e[key] = None
-            out.append(e)
-    return out
-"""
-_NS: dict[str, Any] = {}
-exec(compile(PORTS_SRC, "ddp_train.launch.rdma.PORTS_SRC", "exec"), _NS)  # noqa: S102 (our own source)
+from ddp_train.launch.node.probe import rdma_ports
 
-# For preflight's probe (appended to it): the node's ports under DDP_RDMA_ROOT (tests) or /.
-PROBE_SRC = PORTS_SRC + 'r["rdma"] = rdma_ports(os.environ.get("DDP_RDMA_ROOT") or "/")\n'
+if TYPE_CHECKING:
+    from ddp_train.launch.plan import JobPlan
+    from ddp_train.launch.preflight_model import NodeCheck
 
 ENV = "NCCL_IB_HCA"
 DISABLE_ENV = "NCCL_IB_DISABLE"
@@ -96,38 +69,7 @@ def ports_from_raw(raw: Iterable[Mapping[str, Any]]) -> list[Port]:
 
 def read_ports(root: str = "/") -> list[Port]:
     """The ports under `root`/sys/class/infiniband; [] when there is no HCA (or no such directory)."""
-    return ports_from_raw(_NS["rdma_ports"](root))
-
-
-def parse_ibv_devinfo(text: str) -> list[Port]:
-    """Ports from `ibv_devinfo` (rdma-core, libibverbs/examples/devinfo.c): state PORT_ACTIVE (4) -> ACTIVE.
-
-    ibv_devinfo shows what the verbs library can open: an HCA in sysfs but not here lacks its provider
-    (libmlx5, from rdma-core / ibverbs-providers), and NCCL then says "NET/IB : No device found"."""
-    out: list[Port] = []
-    hca = port = None
-    fields: dict[str, str] = {}
-
-    def flush() -> None:
-        if hca and port:
-            state = fields.get("state", "UNKNOWN").split()[0].removeprefix("PORT_")
-            out.append(Port(hca, port, state, fields.get("link_layer", "InfiniBand"), 0.0))
-
-    for line in text.splitlines():
-        key, sep, value = line.strip().partition(":")
-        if not sep:
-            continue
-        key, value = key.strip(), value.strip()
-        if key == "hca_id":
-            flush()
-            hca, port, fields = value, None, {}
-        elif key == "port" and hca:
-            flush()
-            port, fields = value, {}
-        elif port:
-            fields[key] = value
-    flush()
-    return out
+    return ports_from_raw(rdma_ports(root))
 
 
 def ib_hca_value(ports: Sequence[Port]) -> str:
@@ -156,12 +98,11 @@ def _disabled(env: Mapping[str, str]) -> bool:
     return str(env.get(DISABLE_ENV, "0")).strip() not in ("", "0")
 
 
-def check_cluster(checks: Sequence[Any]) -> None:
+def check_cluster(checks: Sequence[NodeCheck]) -> None:
     """Preflight: the GPU nodes must agree (all have an ACTIVE RDMA port, or none has); ports that are
     not ACTIVE are named (a warning, a failure on a node left without any active port).
 
-    `checks` are preflight.NodeCheck: `.name`, `.facts` (the probe's, with "rdma"), `.plan.env`, `.fail`,
-    `.warnings`. GPU-less nodes run gloo, which never uses verbs, and are not compared; neither are
+    GPU-less nodes run gloo, which never uses verbs, and are not compared; neither are
     nodes whose ddp_env sets NCCL_IB_DISABLE=1 (TCP on purpose)."""
     with_ports = {}
     for c in checks:
@@ -184,7 +125,7 @@ def check_cluster(checks: Sequence[Any]) -> None:
             c.warnings.append(f"RDMA ports not ACTIVE (NCCL skips them): {', '.join(down)}")
 
 
-def ib_hca_env(checks: Sequence[Any]) -> tuple[dict[str, str], list[str]]:
+def ib_hca_env(checks: Sequence[NodeCheck]) -> tuple[dict[str, str], list[str]]:
     """Per node, the NCCL_IB_HCA the launcher sets (its active ports, exact match) and notes to log.
 
     A value the user set in ddp_env / --env wins and is reported. NCCL_IB_GID_INDEX is never set: since
@@ -206,7 +147,7 @@ def ib_hca_env(checks: Sequence[Any]) -> tuple[dict[str, str], list[str]]:
     return values, notes
 
 
-def with_ib_hca(plan: Any, checks: Sequence[Any]) -> tuple[Any, list[str]]:
+def with_ib_hca(plan: JobPlan, checks: Sequence[NodeCheck]) -> tuple[JobPlan, list[str]]:
     """The job plan with NCCL_IB_HCA added to the env of each node that has active ports, and the notes."""
     values, notes = ib_hca_env(checks)
     if not values:

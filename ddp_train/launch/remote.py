@@ -493,10 +493,3 @@ def _keepalive(conn: Connection) -> None:
     ):
         if hasattr(socket, opt):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
-
-
-def wait_all(threads: list[threading.Thread], timeout: float) -> None:
-    """Join threads until `timeout` seconds have passed in total."""
-    deadline = time.monotonic() + timeout
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))

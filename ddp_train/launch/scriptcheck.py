@@ -11,10 +11,9 @@ import ast
 import dataclasses
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
-MODES = ("strict", "warn", "off")
 CODES = {
     "init-args": "init_process_group given a fixed rank, world_size or init_method address (a literal, a "
     "constant, an argparse default, mp.spawn's index or torch.cuda.device_count())",
@@ -113,6 +112,15 @@ def check_script(script: str | Path, roots: Iterable[str | Path] = ()) -> Script
     project = _Project(search, shown_base=_shown_base(script, search))
     project.load(script)
     return project.check()
+
+
+def module_file(module: str, exists: Callable[[str], bool]) -> str | None:
+    """The file `python -m module` runs, relative to its root: pkg/mod.py, else pkg/mod/__main__.py, else
+    pkg/mod/__init__.py (read for the script check: it runs first); None when `exists` has none of them.
+
+    `exists(rel)`: whether that file is there (a directory on disk, or a --sync manifest's entries)."""
+    rel = module.replace(".", "/")
+    return next((f for f in (f"{rel}.py", f"{rel}/__main__.py", f"{rel}/__init__.py") if exists(f)), None)
 
 
 def backend_findings(check: ScriptCheck, gpus: Mapping[str, int]) -> list[Finding]:

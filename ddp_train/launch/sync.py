@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 
 from ddp_train.launch.errors import LaunchError, one_line
 from ddp_train.launch.inventory import Node, SshTarget
+from ddp_train.launch.node import command, marked_json, tree
+from ddp_train.launch.node.sync import DONE_MARK, INSPECT_MARK
 from ddp_train.storage import size_text
 
 if TYPE_CHECKING:
@@ -33,155 +35,10 @@ if TYPE_CHECKING:
 
 SYNC_DIR = ".ddp-launch/sync"  # under the node's ddp_workdir
 DEFAULT_MAX_BYTES = 1 << 30
-MANIFEST_NAME = ".ddp-sync.json"  # in each copy: its files, for the next sync and for preflight
+MANIFEST_NAME = tree.MANIFEST  # in each copy: its files, for the next sync and for preflight
 ALWAYS_EXCLUDED = (".git/", "__pycache__/", "*.pyc", "/.ddp-launch/", f"/{MANIFEST_NAME}")
 IGNORE_FILE, ROOT_IGNORE_FILE = ".gitignore", ".ddpignore"
-VIA = ("auto", "rsync", "archive")
 SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?$", re.IGNORECASE)
-
-# The content walk and digest, run both here and (with the node's python, 3.9+) on every node, so the
-# two sides can never disagree on what the digest covers: path, kind, user-exec bit, size and content.
-TREE_SRC = r"""
-import hashlib, json, os, stat
-MANIFEST = @MANIFEST@
-
-def walk(root, skip=None):
-    out = []
-    for top, dirs, files in os.walk(root):
-        rel_top = os.path.relpath(top, root).replace(os.sep, "/")
-        rel_top = "" if rel_top == "." else rel_top + "/"
-        kept = []
-        for d in sorted(dirs):
-            full = os.path.join(top, d)
-            if os.path.islink(full):
-                files.append(d)
-            elif not (skip and skip(rel_top + d, True)):
-                kept.append(d)
-        dirs[:] = kept
-        for f in files:
-            rel, full = rel_top + f, os.path.join(top, f)
-            if skip and skip(rel, False):
-                continue
-            st = os.lstat(full)
-            if stat.S_ISLNK(st.st_mode):
-                out.append((rel, full, "l", False, 0))
-            elif stat.S_ISREG(st.st_mode):
-                out.append((rel, full, "f", bool(st.st_mode & 0o100), st.st_size))
-    out.sort()
-    return out
-
-def content_digest(full, kind):
-    if kind == "l":
-        return hashlib.sha256(os.fsencode(os.readlink(full))).hexdigest()
-    h = hashlib.sha256()
-    with open(full, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-def listed(root):
-    # the files the sync put in `root` (its manifest names them); what a run wrote there does not count
-    with open(os.path.join(root, MANIFEST)) as f:
-        paths = sorted(json.load(f))
-    items = []
-    for rel in paths:
-        full = os.path.join(root, rel)
-        st = os.lstat(full)
-        kind = "l" if stat.S_ISLNK(st.st_mode) else "f"
-        regular = kind == "f"
-        items.append((rel, full, kind, regular and bool(st.st_mode & 0o100), st.st_size if regular else 0))
-    return items
-
-def shipped(root):
-    return tree(listed(root))[1]
-
-def tree(items):
-    # -> ({path: [kind, exec, size, sha256]}, digest of the whole tree)
-    entries, h = {}, hashlib.sha256()
-    for rel, full, kind, x, size in items:
-        entries[rel] = [kind, x, size, content_digest(full, kind)]
-        h.update((json.dumps([rel] + entries[rel]) + "\n").encode("utf-8", "surrogateescape"))
-    return entries, h.hexdigest()
-""".replace("@MANIFEST@", repr(MANIFEST_NAME))
-
-# On a node: is the copy there already, intact? If not, the newest earlier copy (to send only the
-# differences). A copy whose files were changed on the node is moved aside and sent again.
-INSPECT_SRC = r"""
-import glob, shutil, sys
-base, name, want = sys.argv[1], sys.argv[2], sys.argv[3]
-os.makedirs(base, exist_ok=True)
-final = os.path.join(base, name)
-r = {"present": False, "rsync": bool(shutil.which("rsync"))}
-if os.path.isdir(final):
-    try:
-        r["present"] = shipped(final) == want
-    except (OSError, ValueError):
-        pass
-    if not r["present"]:
-        aside = "%s.tmp-bad-%d" % (final, os.getpid())
-        os.rename(final, aside)
-        shutil.rmtree(aside, ignore_errors=True)
-if not r["present"]:
-    olds = [m for m in glob.glob(os.path.join(glob.escape(base), "*", MANIFEST)) if ".tmp-" not in m]
-    if olds:
-        newest = max(olds, key=os.path.getmtime)
-        r["prev"] = os.path.basename(os.path.dirname(newest))
-        try:  # hashed, not read from the manifest: files are hard-linked between copies
-            r["prev_entries"] = tree(listed(os.path.dirname(newest)))[0]
-        except (OSError, ValueError):
-            r["prev_entries"] = {}
-print("DDP-SYNC " + json.dumps(r), flush=True)
-"""
-
-# On a node: link unchanged files from the earlier copy, unpack the archive of changed ones.
-UNPACK_SRC = r"""
-import shutil, sys, tarfile
-base, tmp, archive, prev, keep = sys.argv[1], sys.argv[3], sys.argv[5], sys.argv[6], json.loads(sys.argv[7])
-os.makedirs(tmp)
-for rel in keep:
-    src, dst = os.path.join(base, prev, rel), os.path.join(tmp, rel)
-    os.makedirs(os.path.dirname(dst), exist_ok=True)
-    if os.path.islink(src):
-        os.symlink(os.readlink(src), dst)
-        continue
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
-if archive:
-    with tarfile.open(archive) as t:
-        for m in t.getmembers():
-            parts = m.name.split("/")
-            if m.name.startswith("/") or ".." in parts or not (m.isfile() or m.issym()):
-                raise SystemExit("unsafe archive member %r" % m.name)
-        t.extractall(tmp, **({"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}))
-    os.unlink(archive)
-"""
-
-# On a node: check the new copy against the digest, add its manifest (what the next sync starts from
-# and what preflight verifies) and rename it into place in one step; someone sharing the workdir may
-# have done so first: then keep theirs.
-FINISH_SRC = r"""
-import shutil, sys
-base, name, tmp, want = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
-entries, got = tree(walk(tmp))
-if got != want:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise SystemExit("content digest %s after the copy, expected %s" % (got[:16], want[:16]))
-with open(os.path.join(tmp, MANIFEST), "w") as f:
-    json.dump(entries, f)
-final = os.path.join(base, name)
-try:
-    os.rename(tmp, final)
-except OSError:
-    if not os.path.isfile(os.path.join(final, MANIFEST)):
-        raise
-    shutil.rmtree(tmp, ignore_errors=True)
-print("DDP-SYNC-DONE", flush=True)
-"""
-
-_TREE: dict = {}
-exec(compile(TREE_SRC, "ddp_train.launch.sync.TREE_SRC", "exec"), _TREE)  # noqa: S102 (our own source)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,7 +185,7 @@ def scan(directory: str, exclude: Sequence[str] = (), max_bytes: int = DEFAULT_M
     root_s = str(root.resolve())
     rules = Excludes(root_s, exclude)
     try:
-        items = _TREE["walk"](root_s, rules.excluded)
+        items = tree.walk(root_s, rules.excluded)
     except OSError as e:
         raise LaunchError(f"--sync {directory}: cannot read {e.filename}: {e.strerror}") from None
     if not items:
@@ -347,7 +204,7 @@ def scan(directory: str, exclude: Sequence[str] = (), max_bytes: int = DEFAULT_M
             " or raise --sync-max-size)"
         )
     try:
-        entries, digest = _TREE["tree"](items)
+        entries, digest = tree.tree(items)
     except OSError as e:
         raise LaunchError(f"--sync {directory}: cannot read {e.filename}: {e.strerror}") from None
     return Manifest(root=root_s, entries=entries, digest=digest)
@@ -395,9 +252,7 @@ def sync_node(
     base = where.rsplit("/", 1)[0]
     try:
         state = _json_line(
-            session,
-            node_python(node, TREE_SRC + INSPECT_SRC, base, manifest.name, manifest.digest),
-            "DDP-SYNC ",
+            session, command(node.venv, "sync", "inspect", base, manifest.name, manifest.digest), INSPECT_MARK
         )
         if state["present"]:
             return SyncResult(node.name, "up-to-date", 0, 0)
@@ -424,19 +279,16 @@ def sync_node(
         raise SyncError(str(e)) from None
 
 
-def node_python(node: Node, source: str, *args: str) -> str:
-    """A shell command running `source` with the node's venv python, shlex-quoted, without the job's
-    env: these file operations need none of it, and ddp_env values must not show up in ps."""
-    return shlex.join([f"{node.venv.rstrip('/')}/bin/python", "-c", source, *args])
-
-
-def _json_line(session: Session, command: str, mark: str) -> dict:
-    code, out = session.exec(command, timeout=300)
-    found = [ln for ln in out.splitlines() if ln.startswith(mark)]
-    if code != 0 or not found:
+def _json_line(session: Session, cmd: str, mark: str) -> dict:
+    code, out = session.exec(cmd, timeout=300)
+    try:
+        found = marked_json(out, mark)
+    except ValueError:
+        found = None
+    if code != 0 or not isinstance(found, dict):
         last = out.strip().splitlines()[-1] if out.strip() else f"exit {code}"
         raise SyncError(f"{session.node.name}: {one_line(last)}")
-    return json.loads(found[-1][len(mark) :])
+    return found
 
 
 def _rsync_unusable(node: Node, state: dict) -> str | None:
@@ -495,8 +347,7 @@ def _archive(
             sent = os.path.getsize(local_tar)
             remote_tar = f"{base}/{tmp}.tar.gz"
             session.put(local_tar, remote_tar)
-    cmd = node_python(node, TREE_SRC + UNPACK_SRC, base, manifest.name, f"{base}/{tmp}", manifest.digest,
-                 remote_tar, prev, json.dumps(keep))  # fmt: skip
+    cmd = command(node.venv, "sync", "unpack", base, f"{base}/{tmp}", remote_tar, prev, json.dumps(keep))
     code, out = session.exec(cmd, timeout=600)
     if code != 0:
         session.exec(shlex.join(["rm", "-rf", "--", f"{base}/{tmp}", *([remote_tar] if remote_tar else [])]))
@@ -508,9 +359,9 @@ def _archive(
 
 def _finish(session: Session, node: Node, manifest: Manifest, base: str, tmp: str) -> None:
     code, out = session.exec(
-        node_python(node, TREE_SRC + FINISH_SRC, base, manifest.name, f"{base}/{tmp}", manifest.digest),
+        command(node.venv, "sync", "finish", base, manifest.name, f"{base}/{tmp}", manifest.digest),
         timeout=600,
     )
-    if code != 0 or "DDP-SYNC-DONE" not in out:
+    if code != 0 or DONE_MARK not in out:
         last = out.strip().splitlines()[-1] if out.strip() else f"exit {code}"
         raise SyncError(f"{node.name}: {one_line(last)}")

@@ -5,20 +5,18 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from ddp_train.launch import gpuhealth
 from ddp_train.launch.errors import LaunchError
-from ddp_train.launch.inventory import load_nodes
-from ddp_train.launch.preflight import PROBE
+from ddp_train.launch.inventory import Node, SshTarget, load_nodes
+from ddp_train.launch.node import probe
+from ddp_train.launch.plan import Options, build_plan
+from ddp_train.launch.preflight_model import NodeCheck
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
 LOGS = FIXTURES / "logs"
@@ -26,7 +24,7 @@ BUS = ["18", "2A", "3A", "5D", "9A", "AB", "BA", "DB"]  # the recording's GPUs 0
 
 
 @pytest.fixture
-def node(tmp_path: Path):
+def node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A fake GPU node: a bin dir with the fakes first on PATH and a copy of the H100 x8 recordings."""
     bin_dir, rec = tmp_path / "bin", tmp_path / "rec"
     bin_dir.mkdir()
@@ -34,23 +32,16 @@ def node(tmp_path: Path):
     (bin_dir / "nvidia-smi").symlink_to(FIXTURES / "fake" / "nvidia-smi")
     for name in ("dmesg", "journalctl", "dcgmi"):
         (bin_dir / name).symlink_to(FIXTURES / "fake" / "replay")
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setenv("DDP_FAKE_GPU_DIR", str(rec))
     return bin_dir, rec
 
 
-def collect(bin_dir: Path, rec: Path, *flags: str) -> dict:
-    """Run the collector as the probe does (its own python, argv after venv and workdir)."""
-    env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "DDP_FAKE_GPU_DIR": str(rec)}
-    script = "import json, sys\n" + gpuhealth.COLLECT
-    res = subprocess.run(
-        [sys.executable, "-c", script, "venv", "workdir", *flags],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    raw = gpuhealth.parse_probe_output(res.stdout)
-    assert raw is not None, res.stdout + res.stderr
-    return raw
+def collect(bin_dir: Path, rec: Path, *flags: str, t0: float | None = None) -> dict:
+    """Run the probe's collector (the `node` fixture put the fakes on PATH) and read its record back
+    as preflight does."""
+    raw = probe.collect_gpu("--gpu-health-dcgm" in flags, time.time() if t0 is None else t0)
+    return gpuhealth.parse_probe_output("noise\n" + probe.GPU_MARK + json.dumps(raw) + "\n")
 
 
 def edit(rec: Path, name: str, gpu: int, **values: str) -> None:
@@ -74,23 +65,21 @@ def test_healthy_h100x8_passes_with_nothing_to_say(node):
     assert (h.driver, h.fabric, h.xids, h.checked) == ("570.172.08", "ok", 0, True)
 
 
-def test_the_probe_carries_the_collector_and_its_flags():
-    assert gpuhealth.COLLECT in PROBE
+def test_the_probe_carries_the_collector_and_its_flags(node, monkeypatch, capsys):
+    monkeypatch.setattr(probe, "collect_torch", dict)  # no torch import: the GPU part is under test
+    assert probe.main(["venv", "workdir"]) == 0
+    raw = gpuhealth.parse_probe_output(capsys.readouterr().out)
+    assert raw is not None and raw["query"][0] == 0
     assert gpuhealth.probe_args("strict", False) == []
     assert gpuhealth.probe_args("warn", True) == ["--gpu-health-dcgm"]
     assert gpuhealth.probe_args("off", True) == ["--gpu-health-off"]
 
 
-def test_off_collects_nothing(node):
-    env = {**os.environ, "PATH": f"{node[0]}:/usr/bin:/bin", "DDP_FAKE_GPU_DIR": str(node[1])}
-    out = subprocess.run(
-        [sys.executable, "-c", "import json, sys\n" + gpuhealth.COLLECT, "v", "w", "--gpu-health-off"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    ).stdout
-    assert gpuhealth.parse_probe_output(out) is None
+def test_off_collects_nothing(node, monkeypatch, capsys):
+    monkeypatch.setattr(probe, "collect_torch", dict)
+    assert probe.main(["v", "w", "--gpu-health-off"]) == 0
+    out = capsys.readouterr().out
+    assert probe.PROBE_MARK in out and gpuhealth.parse_probe_output(out) is None
 
 
 def test_uncorrectable_ecc_fails_one_line_naming_the_gpu_and_the_reset(node):
@@ -329,34 +318,27 @@ def test_nvswitches_before_hopper_need_an_active_fabric_manager(node):
 )
 def test_check_and_doctor_row_follow_ddp_gpu_health_and_the_job(node, mode, nproc, fails, status):
     edit(node[1], "query-gpu.csv", 3, ecc__errors__uncorrected__volatile__total="2")
-    plan = SimpleNamespace(
-        argv=["torchrun", "--nproc-per-node", nproc], node=SimpleNamespace(gpu_health=mode)
-    )
-    c = SimpleNamespace(name="n1", plan=plan, facts={"gpus": 0, "gpu_health": collect(*node)}, failures=[])
-    c.warnings, c.fail = [], c.failures.append
+    n1 = Node(name="n1", address="10.0.0.1", local=False, ssh=SshTarget(host="10.0.0.1"), venv="/v",
+              workdir=None, nproc=nproc, master_port=29500, env={}, gpu_health=mode)  # fmt: skip
+    (plan,) = build_plan([n1], Options(job_id="j")).nodes
+    c = NodeCheck(plan, facts={"gpus": 0, "gpu_health": collect(*node)})
     gpuhealth.check(c)
     assert (len(c.failures), len(c.warnings)) == (fails, 1 - fails)
     assert gpuhealth.render([c]).splitlines()[1].split()[-2:] == status.split()
-    cpu_node = SimpleNamespace(plan=plan, facts={"gpus": 0, "gpu_health": {"driver": False, "smi": None}})
+    cpu_node = NodeCheck(plan, facts={"gpus": 0, "gpu_health": {"driver": False, "smi": None}})
     assert gpuhealth.render([cpu_node]) is None
 
 
 def test_a_hung_nvidia_smi_gets_what_is_left_of_the_probes_time(node, tmp_path):
-    """The budget counts from the probe's start (_DDP_T0, before the torch import), not from the
+    """The budget counts from the probe's start (main's t0, before the torch import), not from the
     collector's: with 87 of its 90 s gone, a hanging nvidia-smi is killed after ~3 s and the probe's
     other lines still get out well inside the SSH call's 120 s."""
     bin_dir, rec = node
     (bin_dir / "nvidia-smi").unlink()
     (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexec sleep 600\n")
     (bin_dir / "nvidia-smi").chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:/usr/bin:/bin", "DDP_FAKE_GPU_DIR": str(rec)}
-    script = "import json, sys, time\n_DDP_T0 = time.time() - 87\n" + gpuhealth.COLLECT
     t0 = time.monotonic()
-    res = subprocess.run(
-        [sys.executable, "-c", script, "v", "w"], env=env, capture_output=True, text=True, timeout=60
-    )
+    raw = collect(bin_dir, rec, t0=time.time() - 87)
     took = time.monotonic() - t0
-    raw = gpuhealth.parse_probe_output(res.stdout)
-    assert raw is not None, res.stdout + res.stderr
     assert raw["query"][0] == 124 and "timed out" in raw["query"][1]
     assert took < 12, took  # from its own start it would have waited 20 s (the per-command limit)

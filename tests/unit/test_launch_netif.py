@@ -20,8 +20,9 @@ import pytest
 
 from ddp_train.launch import netif
 from ddp_train.launch.netif import Choice, NetifError
+from ddp_train.launch.node import script
 from ddp_train.launch.plan import Options, build_plan
-from ddp_train.launch.preflight import PROBE, NodeCheck
+from ddp_train.launch.preflight_model import NodeCheck
 from tests.unit.test_launch_plan import node
 
 DATA = Path(__file__).parent / "data" / "netif"
@@ -100,13 +101,13 @@ def test_the_probe_snippet_runs_after_the_preflight_probe_and_reports_this_machi
     assert argv[:2] == ["--netif", "127.0.0.0/8"]
     assert json.loads(argv[2]) == ["127.255.255.254", "127.0.0.1", "127.0.0.2"]
     # other parts of the probe take flags of their own there too (gpuhealth: --gpu-health-off)
-    res = subprocess.run([sys.executable, "-c", PROBE, sys.prefix, "", "--other-flag", *argv],
+    res = subprocess.run([sys.executable, "-c", script("probe"), sys.prefix, "", "--other-flag", *argv],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     found = netif.parse_probe(res.stdout)
     assert found is not None and "DDP-PROBE " in res.stdout, res.stdout + res.stderr
     assert netif.choose("127.0.0.0/8", found) == Choice("lo", "127.0.0.1", 8)
     assert found["route_to"] == "127.255.255.254"  # the first target that is not the node's own
-    res = subprocess.run([sys.executable, "-c", PROBE, sys.prefix, ""], capture_output=True,
+    res = subprocess.run([sys.executable, "-c", script("probe"), sys.prefix, ""], capture_output=True,
                          text=True, timeout=120)  # fmt: skip
     assert "DDP-NETIF" not in res.stdout  # no ddp_network_cidr: nothing asked
 

@@ -7,13 +7,14 @@ import os
 import subprocess
 import sys
 
-from ddp_train.launch.preflight import PROBE, PROBE_MARK
+from ddp_train.launch.node import script
+from ddp_train.launch.node.probe import PROBE_MARK
 
 
 def _probe(home, **env):
     venv = os.path.dirname(os.path.dirname(sys.executable))
     res = subprocess.run(
-        [sys.executable, "-c", PROBE, venv, ""],
+        [sys.executable, "-c", script("probe"), venv, ""],
         env={**os.environ, "HOME": str(home), **env},
         capture_output=True,
         text=True,

@@ -1,4 +1,4 @@
-"""RDMA facts from recorded sysfs trees and ibv_devinfo, the preflight agreement check, NCCL_IB_HCA, and
+"""RDMA facts from recorded sysfs trees, the preflight agreement check, NCCL_IB_HCA, and
 the NCCL INFO log parser verify.yml uses (fixtures: tests/unit/fixtures/rdma/README.md)."""
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ import pytest
 
 from ddp_train.launch import rdma
 from ddp_train.launch.inventory import Node, SshTarget
+from ddp_train.launch.node import script
+from ddp_train.launch.node.probe import PROBE_MARK, rdma_ports
 from ddp_train.launch.plan import Options, build_plan, env_line
-from ddp_train.launch.preflight import PROBE, PROBE_MARK, NodeCheck
+from ddp_train.launch.preflight_model import NodeCheck
 
 FIXTURES = Path(__file__).parent / "fixtures" / "rdma"
 
@@ -62,17 +64,6 @@ def test_unreadable_values_do_not_crash(tmp_path):
     assert (p.name, p.active, p.link_layer, p.rate_gbps) == ("mlx5_3:1", True, "InfiniBand", 0.0)
 
 
-def test_ibv_devinfo_outputs():
-    two = rdma.parse_ibv_devinfo((FIXTURES / "ibv_devinfo_two_ib.txt").read_text())
-    assert [(p.name, p.state, p.kind) for p in two] == [
-        ("mlx5_0:1", "ACTIVE", "IB"),
-        ("mlx5_1:1", "DOWN", "IB"),
-    ]
-    roce = rdma.parse_ibv_devinfo((FIXTURES / "ibv_devinfo_roce.txt").read_text())
-    assert [(p.name, p.state, p.kind) for p in roce] == [("mlx5_0:1", "ACTIVE", "RoCE")]
-    assert rdma.parse_ibv_devinfo((FIXTURES / "ibv_devinfo_none.txt").read_text()) == []
-
-
 def test_facts_cli_prints_one_json_line():
     res = subprocess.run(
         [sys.executable, "-m", "ddp_train.launch.rdma", "facts", "--root", tree("ib_one_down")],
@@ -86,8 +77,8 @@ def test_facts_cli_prints_one_json_line():
 def test_preflight_probe_reports_the_nodes_ports(tmp_path):
     venv = os.path.dirname(os.path.dirname(sys.executable))
     env = {**os.environ, "HOME": str(tmp_path), "DDP_RDMA_ROOT": tree("roce")}
-    res = subprocess.run([sys.executable, "-c", PROBE, venv, ""], env=env, capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
+    res = subprocess.run([sys.executable, "-c", script("probe"), venv, ""], env=env, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
     line = next(ln for ln in res.stdout.splitlines() if ln.startswith(PROBE_MARK))
     raw = json.loads(line[len(PROBE_MARK) :])["rdma"]
     assert [p.describe() for p in rdma.ports_from_raw(raw)] == [
@@ -110,7 +101,7 @@ def checks_for(trees: dict[str, str | None], gpus: int = 8, **env: str) -> tuple
     checks = []
     for p in plan.nodes:
         t = trees[p.node.name]
-        raw = rdma._NS["rdma_ports"](tree(t)) if t else []
+        raw = rdma_ports(tree(t)) if t else []
         checks.append(NodeCheck(p, facts={"gpus": gpus, "rdma": raw}))
     return plan, checks
 

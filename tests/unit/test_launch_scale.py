@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_train.launch import fanout, limits, preflight
+from ddp_train.launch import fanout, limits, node, preflight
 from ddp_train.launch.errors import LaunchError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -106,7 +106,7 @@ def test_a_real_low_hard_limit_refuses_before_any_connection() -> None:
 
 def _connector(targets: list, token: str = "tok", timeout: float = 1) -> dict:
     res = subprocess.run(
-        [sys.executable, "-c", preflight.CONNECTOR, json.dumps(targets), token, str(timeout)],
+        [sys.executable, "-c", node.script("connector"), json.dumps(targets), token, str(timeout)],
         capture_output=True,
         text=True,
         timeout=30,

@@ -14,13 +14,12 @@ import pytest
 from ddp_train.launch.cli import main
 from ddp_train.launch.errors import LaunchError
 from ddp_train.launch.inventory import Node, SshTarget
+from ddp_train.launch.node import command
 from ddp_train.launch.plan import NodePlan, Options, build_plan
-from ddp_train.launch.preflight import FILES
 from ddp_train.launch.remote import LocalSession
 from ddp_train.launch.sync import (
     MANIFEST_NAME,
     SyncError,
-    node_python,
     remote_dir,
     scan,
     ssh_command,
@@ -89,7 +88,7 @@ def fake_remote(tmp_path: Path, workdir: Path, **ssh) -> Node:
 
 def verify(p: NodePlan, manifest) -> str:
     """What preflight's file check reports for the node's copy."""
-    code, out = LocalSession(p.node).exec(node_python(p.node, FILES, "", p.sync_dir or "", "[]"))
+    code, out = LocalSession(p.node).exec(command(p.node.venv, "files", "", p.sync_dir or "", "[]"))
     assert code == 0, out
     return json.loads(out.split("DDP-FILES ", 1)[1])["sync"]
 

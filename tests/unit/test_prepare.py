@@ -66,7 +66,9 @@ def prepare(*args: str) -> int:
 def decoded(out: Path, split: str) -> str:
     meta = json.loads((out / "meta.json").read_text())
     ids = np.fromfile(out / f"{split}.bin", dtype=meta["dtype"])
-    return tk.from_meta(meta, out).decode(ids.tolist())
+    info = meta["tokenizer"]  # byte, or a tokenizer.json next to the bins
+    tok = tk.ByteTokenizer() if info["kind"] == "byte" else tk.load_file(out / info["file"], info["kind"])
+    return tok.decode(ids.tolist())
 
 
 def all_lines(corpus: Path) -> list[str]:
