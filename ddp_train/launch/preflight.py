@@ -181,7 +181,7 @@ def _check_files(plan: JobPlan, checks: list[NodeCheck]) -> None:
             c.fail(f"file check failed: {one_line(out) or f'exit {code}'}")
             return
         found[c.name] = record
-        if verify and found[c.name].get("sync") != plan.sync.digest:  # type: ignore[union-attr]
+        if verify and plan.sync and found[c.name].get("sync") != plan.sync.digest:
             got = str(found[c.name].get("sync"))
             what = got if " " in got or got == "missing" else f"has content {got[:20]}, not {plan.sync.name}"
             c.fail(f"synced copy {verify} {what} (changed on the node? the next launch sends it again)")
@@ -247,7 +247,7 @@ def _compare_versions(checks: list[NodeCheck]) -> None:
 
 def _compare_patch_level(checks: list[NodeCheck]) -> None:
     """Python patch releases may differ (a warning): pickles and wheels are per minor version."""
-    versions = {c.name: c.facts.get("python") for c in checks if c.facts.get("python")}
+    versions = {c.name: str(c.facts["python"]) for c in checks if c.facts.get("python")}
     if len(set(versions.values())) > 1:
         for c in checks:
             if c.name in versions:

@@ -94,3 +94,15 @@ def test_marked_json_takes_the_last_marked_line() -> None:
     assert node.marked_json("nothing here", "DDP-X ") is None
     with pytest.raises(ValueError):
         node.marked_json("DDP-X {not json", "DDP-X ")
+
+
+def test_ruff_and_mypy_pass_on_the_node_modules(tmp_path: Path) -> None:
+    """The node code is linted and type-checked like the rest ([tool.mypy] in pyproject: strict here)."""
+    pytest.importorskip("mypy")
+    repo = NODE_DIR.parents[2]
+    ruff = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(NODE_DIR)], cwd=repo,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert ruff.returncode == 0, ruff.stdout + ruff.stderr
+    mypy = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path)], cwd=repo,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert mypy.returncode == 0, mypy.stdout + mypy.stderr

@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
     while time.time() < end:
         ready = select.select([*socks, sys.stdin], [], [], 0.5)[0]
         for s in ready:
-            if s is sys.stdin:
+            if not isinstance(s, socket.socket):  # stdin: EOF ends the listener
                 if not os.read(0, 4096):
                     return 0
                 continue

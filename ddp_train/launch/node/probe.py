@@ -69,7 +69,7 @@ def collect_basics(venv: str, workdir: str) -> Facts:
     return r
 
 
-def _torch_cache_file() -> str | None:
+def _torch_cache_file() -> str:
     """Importing torch costs seconds per node, so its facts are cached on the node for an hour (as
     horovodrun caches its SSH checks), keyed by everything that can change them: the python, torch's
     installed files, the driver, and the env vars that select GPUs and libraries."""

@@ -10,6 +10,7 @@ import os
 import shutil
 import sys
 import tarfile
+from typing import Any
 
 from . import tree
 
@@ -62,7 +63,8 @@ def unpack(base: str, tmp: str, archive: str, prev: str, keep: list[str]) -> Non
                 if m.name.startswith("/") or ".." in parts or not (m.isfile() or m.issym()):
                     raise SystemExit(f"unsafe archive member {m.name!r}")
             # the "tar" filter where this python has it (PEP 706: 3.12, backported to 3.9.17 and later)
-            t.extractall(tmp, **({"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}))  # noqa: S202
+            safe: dict[str, Any] = {"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}
+            t.extractall(tmp, **safe)  # noqa: S202
         os.unlink(archive)
 
 
