@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ddp_train.launch.errors import LaunchError
-from ddp_train.launch.inventory import DEFAULT_REMOTE_VENV, load_nodes, parse_ssh_args
+from ddp_train.launch.inventory import DEFAULT_REMOTE_VENV, load_nodes, nproc_value, parse_ssh_args
 
 
 def write(path: Path, text: str) -> Path:
@@ -184,3 +184,13 @@ def test_parse_ssh_args() -> None:
     assert opts["proxyjump"] == ["jump@bastion:2222"]
     assert opts["port"] == ["2200"]
     assert opts["stricthostkeychecking"] == ["yes"]
+
+
+@pytest.mark.parametrize(
+    "value,want",
+    [("gpu", "gpu"), ("cpu", "cpu"), ("auto", "auto"), (8, "8"), ("8", "8"), ("08", "8"), (" 2", "2"),
+     (0, None), ("0", None), (-1, None), (True, None), ("GPU", None), ("2.5", None), ("", None),
+     (None, None)],
+)  # fmt: skip
+def test_one_nproc_validator_for_inventory_and_command_line(value: object, want: str | None) -> None:
+    assert nproc_value(value) == want

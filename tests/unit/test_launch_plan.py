@@ -78,6 +78,7 @@ def test_options_and_trainer_args() -> None:
     p = build_plan(cluster(workdir="/srv/w"), opts).nodes[1]
     a = p.argv
     assert a[a.index("--nproc-per-node") + 1] == "gpu" and a[a.index("--master-port") + 1] == "30001"
+    assert p.nproc == "gpu" and build_plan(cluster(nproc="4"), Options()).nodes[0].nproc == "4"
     assert a[a.index("--max-restarts") + 1] == "2"
     assert a[a.index("--config") + 1] == "/srv/w/.ddp-launch/j/train.yaml"  # shipped copy on the node
     assert a[-4:] == ("--set", "train.max_steps=5", "--extra", "a b")

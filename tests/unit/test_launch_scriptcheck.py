@@ -16,7 +16,7 @@ import torch
 
 from ddp_train.launch.cli import _check_backend, main
 from ddp_train.launch.logs import JobLog
-from ddp_train.launch.scriptcheck import CODES, ScriptCheck, backend_findings, check_script
+from ddp_train.launch.scriptcheck import CODES, ScriptCheck, backend_findings, check_script, module_file
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_INV = str(REPO / "inventory" / "local")
@@ -433,3 +433,16 @@ def test_strict_refuses_nccl_on_nodes_without_gpu_after_preflight_with_exit_3(tm
     assert LINE.match(lines[-2]) and "refuses to launch" in lines[-1] and "nothing was started" in lines[-1]
     assert lines[-2] in (tmp_path / "logs" / "sc-b8" / "launcher.log").read_text()
     assert not list((tmp_path / "logs" / "sc-b8").glob("local*.log"))  # no node output: nothing ran
+
+
+def test_module_file_finds_what_python_m_runs_in_a_directory_or_a_manifest(tmp_path: Path) -> None:
+    (tmp_path / "pkg" / "app").mkdir(parents=True)
+    (tmp_path / "pkg" / "app" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "train.py").write_text("")
+    on_disk = lambda rel: (tmp_path / rel).is_file()  # noqa: E731
+    assert module_file("pkg.train", on_disk) == "pkg/train.py"
+    assert module_file("pkg.app", on_disk) == "pkg/app/__init__.py"  # a package without __main__.py
+    (tmp_path / "pkg" / "app" / "__main__.py").write_text("")
+    assert module_file("pkg.app", on_disk) == "pkg/app/__main__.py"
+    assert module_file("pkg.none", on_disk) is None
+    assert module_file("a.b", {"a/b/__main__.py": []}.__contains__) == "a/b/__main__.py"
