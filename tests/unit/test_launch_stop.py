@@ -31,11 +31,11 @@ def test_grace_is_derived_from_the_longest_save_and_step_the_trainer_printed(tmp
         "07:49:09 ddp-train[rank 0] INFO step 80/2000 loss 0.3 lr 0.003 7105 tok/s 2.500 s/step",
         "saved step-00000090.pt in 99.0s",  # not the trainer's log line: ignored
     ]:
-        j._measure(line)
-    assert (j.longest_save, j.longest_step) == (41.25, 2.5)
+        j.times.feed(line)
+    assert (j.times.longest_save, j.times.longest_step) == (41.25, 2.5)
     grace, how = j._stop_grace()
     assert grace == 2 * (41.25 + 2.5) + 10 and "longest save 41.25s" in how
-    j._measure("07:49:10 ddp-train[rank 0] INFO saved /c/step-00000100.pt in 5000.00s")
+    j.times.feed("07:49:10 ddp-train[rank 0] INFO saved /c/step-00000100.pt in 5000.00s")
     assert j._stop_grace()[0] == STOP_GRACE_MAX_S  # never beyond what torchrun was told to wait
     assert job(tmp_path, grace=7)._stop_grace() == (7, "--grace")
 
