@@ -91,9 +91,8 @@ class Job:
         finally:
             if self.own_pool:
                 self.pool.close()
-            for r in self.runs:  # the run connections, which this job opened
-                if r.session:
-                    r.session.close()
+            for s in [r.session for r in self.runs if r.session]:  # the run connections: its own
+                s.close()
 
     def _run(self) -> Ending:
         self.log.note(
@@ -132,14 +131,13 @@ class Job:
                 self.log.set_live(live_line(step))  # on a TTY: one line under the scrolling ones
 
         def on_start() -> None:
-            self.log.note(
-                f"{r.plan.label}: started: {command(r.plan, masked=True)} (environment on stdin: "
-                f"{shown_env(r.plan)})",
-                console=False,
-            )
+            shown = f"{command(r.plan, masked=True)} (environment on stdin: {shown_env(r.plan)})"
+            self.log.note(f"{r.plan.label}: started: {shown}", console=False)
+
+        def env() -> bytes:
+            return node_env_line(env_line(r.plan), self.plan.job_id)
 
         try:
-            env = node_env_line(env_line(r.plan), self.plan.job_id)
             r.run(barrier, lambda: bool(self.trap.first or self.first_failed), env, on_start, on_line)
         finally:
             self.events.put(r)

@@ -108,7 +108,7 @@ class NodeRun:
         self,
         barrier: threading.Barrier,
         stopping: Callable[[], bool],
-        env: bytes,
+        env: Callable[[], bytes],
         on_start: Callable[[], None],
         on_line: Callable[[str], None],
     ) -> None:
@@ -124,7 +124,7 @@ class NodeRun:
             self.started, self.state = True, NodeState.RUNNING
             # The environment never appears in a command line. Stdin then stays open: the lifeline
             # (launch/lifeline.py), whose EOF or silence makes the node stop itself.
-            self.stream.send(env)
+            self.stream.send(env())
             self.env_sent = True  # not before: a lifeline beat ahead of it would be read as the environment
             on_start()
             for line in self.stream.lines():

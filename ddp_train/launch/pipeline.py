@@ -14,14 +14,16 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ddp_train import exitcodes
 from ddp_train.launch import jobstate
 from ddp_train.launch.logs import JobLog
 from ddp_train.launch.plan import JobPlan, NodePlan, command, mask_argv
 from ddp_train.launch.report import JobResult
-from ddp_train.launch.scriptcheck import Finding
+
+if TYPE_CHECKING:
+    from ddp_train.launch.scriptcheck import Finding
 
 
 @dataclasses.dataclass(frozen=True)

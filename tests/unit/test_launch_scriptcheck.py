@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from ddp_train.launch.cli import main
-from ddp_train.launch.pipeline import check_backend
 from ddp_train.launch.logs import JobLog
+from ddp_train.launch.pipeline import check_backend
 from ddp_train.launch.scriptcheck import CODES, ScriptCheck, backend_findings, check_script
 
 REPO = Path(__file__).resolve().parents[2]
