@@ -18,8 +18,8 @@ STALLED = 4
 TIMEOUT = 124  # --timeout reached (as timeout(1) exits)
 
 # `ddp-launch --help` shows this table (the only place it is written).
-LAUNCH_TABLE = """exit codes: 0 ok; 1 a node failed, could not start or was lost; 2 bad input (with
-  --strict: a script check finding); 3 preflight failed (with --strict: a backend the nodes' GPUs
-  contradict; or another job runs on the same nodes and port); 4 stalled (the stall watchdog stopped the job);
+LAUNCH_TABLE = """exit codes: 0 ok; 1 a node failed, could not start or was lost; 2 bad input (with --strict:
+  a script check finding); 3 preflight failed (with --strict: a backend the nodes' GPUs contradict),
+  or another job runs on the same nodes and port; 4 stalled (the stall watchdog stopped the job);
   124 --timeout; 130 Ctrl-C, 143 SIGTERM (128+N for signal N). A stop lets every rank finish its step
   and save a checkpoint (run the same command again to resume); a second Ctrl-C kills at once."""
