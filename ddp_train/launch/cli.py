@@ -82,7 +82,8 @@ def _main(argv: Sequence[str] | None) -> int:
     shown = list(args)
     if args[:1] != ["run"] and (not args or args[0] not in COMMANDS):
         args = ["run", *args]
-    opts = build_parser().parse_args(args)
+    parser = build_parser()
+    opts = parser.parse_args(args)
     if opts.command == "check-script":
         return _check_script_command(opts)
     if opts.command not in ("run", "doctor"):
@@ -91,8 +92,10 @@ def _main(argv: Sequence[str] | None) -> int:
         return job_command(opts)
     doctor = opts.command == "doctor"
     trainer_args = runargs.split_rest(opts)
-    if doctor and opts.rest:
+    if doctor and opts.rest[:1] == ["--"]:
         return _usage("doctor takes no trainer arguments after --")
+    if doctor and opts.rest:
+        parser.error(f"unrecognized arguments: {' '.join(opts.rest)}")
     if not doctor and opts.detach and not opts.dry_run and not opts.monitor:
         from ddp_train.launch.jobcmds import detach, without_detach
         from ddp_train.launch.plan import check_job_id, new_job_id
