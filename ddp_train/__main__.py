@@ -11,22 +11,18 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
-from typing import NoReturn
 
 from ddp_train import exitcodes
+from ddp_train.cliargs import Parser
 from ddp_train.config import DEFAULT_CONFIG_PATH, ConfigError, dump_yaml, load_config
 from ddp_train.console import emit_line
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(exitcodes.BAD_INPUT, f"ddp-train: error: {' '.join(message.split())} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser of the trainer."""
-    p = _Parser(
+    p = Parser(
         prog="ddp-train",
+        hint="--help",
         description="DDP trainer (`ddp-train prepare --help`: text -> token files). Run alone (one "
         "process) or under torchrun, e.g. `torchrun --standalone --nproc-per-node 2 -m ddp_train`.",
         epilog="Exit codes: 0 ok, 2 bad input or a disk refusing a write, 3 ranks diverged, 143/130 stopped "

@@ -20,12 +20,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 
 from ddp_train import exitcodes
 from ddp_train import tokenizer as tokenizers_
+from ddp_train.cliargs import Parser
 from ddp_train.config import ConfigError
 from ddp_train.console import emit_line
 from ddp_train.metrics import ProgressBar
@@ -317,16 +318,11 @@ def prepare(
     return meta
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        text = " ".join(message.split())
-        self.exit(exitcodes.BAD_INPUT, f"ddp-train prepare: error: {text} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser of `ddp-train prepare`."""
-    p = _Parser(
+    p = Parser(
         prog="ddp-train prepare",
+        hint="--help",
         description="Tokenize text (.txt, .md, .jsonl files, folders, globs) into DIR/train.bin, "
         "DIR/val.bin (uint16, or uint32 for vocabularies over 65536) and DIR/meta.json for the trainer "
         "(data.name=tokens, data.tokens.path=DIR).",

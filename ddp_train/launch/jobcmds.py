@@ -19,49 +19,48 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from ddp_train import exitcodes
 from ddp_train.launch import jobstate
 from ddp_train.launch.logs import host_log_path, table
 from ddp_train.launch.plan import JOB_ID
 from ddp_train.launch.progress import duration, read_host_log
 
-COMMANDS = ("jobs", "status", "logs", "attach", "stop")
-EXIT_USAGE = 2
 POLL_S = 0.3
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+def add_parsers(sub: Any) -> None:
+    """The job commands as subcommands of ddp-launch's parser (`sub`: its add_subparsers())."""
+    for command, description in _DESCRIPTIONS.items():
+        p = sub.add_parser(command, prog=f"ddp-launch {command}", description=description)
+        p.add_argument("--log-dir", default="logs", metavar="DIR", help="where the jobs' logs are [logs]")
+        if command != "jobs":
+            p.add_argument("job", metavar="JOB", help="job id (as `ddp-launch jobs` lists it)")
+        if command == "logs":
+            p.add_argument(
+                "-f", "--follow", action="store_true", help="keep printing new lines until the job ends"
+            )
+            p.add_argument("--node", metavar="HOST", help="that node's log only")
+        if command == "stop":
+            p.add_argument("--no-wait", action="store_true", help="return once the monitor got the signal")
 
 
-def main(command: str, argv: Sequence[str]) -> int:
-    p = _Parser(prog=f"ddp-launch {command}", description=_DESCRIPTIONS[command])
-    p.add_argument("--log-dir", default="logs", metavar="DIR", help="where the jobs' logs are [logs]")
-    if command != "jobs":
-        p.add_argument("job", metavar="JOB", help="job id (as `ddp-launch jobs` lists it)")
-    if command == "logs":
-        p.add_argument(
-            "-f", "--follow", action="store_true", help="keep printing new lines until the job ends"
-        )
-        p.add_argument("--node", metavar="HOST", help="that node's log only")
-    if command == "stop":
-        p.add_argument("--no-wait", action="store_true", help="return once the monitor got the signal")
-    opts = p.parse_args(list(argv))
+def main(opts: argparse.Namespace) -> int:
+    """Run the job command `opts.command` (parsed by add_parsers)."""
+    command = opts.command
     if command == "jobs":
         return _jobs(Path(opts.log_dir))
     if not JOB_ID.match(opts.job):  # it names a directory under --log-dir: no path may come through
         print(f"ddp-launch: error: job {opts.job!r}: not a job id (letters, digits, '.', '_', '-')",
               file=sys.stderr)  # fmt: skip
-        return EXIT_USAGE
+        return exitcodes.BAD_INPUT
     data = jobstate.read_state(jobstate.state_path(opts.log_dir, opts.job))
     if data is None:
         known = ", ".join(j["job_id"] for j in jobstate.list_jobs(opts.log_dir)[-5:]) or "none"
         print(f"ddp-launch: error: no job {opts.job!r} in {opts.log_dir}/ (recent: {known})", file=sys.stderr)
-        return EXIT_USAGE
+        return exitcodes.BAD_INPUT
     job_dir = Path(opts.log_dir) / opts.job
     if command == "status":
         return _status(job_dir, data)
@@ -294,7 +293,7 @@ def _logs(job_dir: Path, data: dict[str, Any], follow: bool, node: str | None) -
         print(
             f"ddp-launch: error: --node {node}: not a node of job {data['job_id']} ({hosts})", file=sys.stderr
         )
-        return EXIT_USAGE
+        return exitcodes.BAD_INPUT
     path = _log_file(job_dir, node)
     if not follow:
         _show_new(path, 0, sys.stdout)

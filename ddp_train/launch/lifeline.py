@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 from ddp_train.agent import LIFELINE_ENV
 
-LIFELINE_S = 30  # the documented bound: seconds without a heartbeat before a node stops itself
+LIFELINE_S = 30  # the documented bound: seconds without a lifeline beat before a node stops itself
 LIFELINE_BEAT_S = 5.0
 
 
@@ -27,8 +27,9 @@ def node_env_line(base: bytes, job_id: str) -> bytes:
     return (json.dumps(env, ensure_ascii=True) + "\n").encode()
 
 
-class Heartbeat:
-    """One thread writing a newline to every started node's stdin until stopped."""
+class Lifeline:
+    """One thread writing a newline (a lifeline beat) to every started node's stdin until stopped.
+    (Not the SSH liveness check of remote.py, which tells the launcher that a node went silent.)"""
 
     def __init__(self, senders: Callable[[], Sequence[Callable[[bytes], None]]]) -> None:
         self.senders = senders

@@ -1,9 +1,4 @@
-"""Training progress from the trainer's step lines (what `status`, the live line and the watchdog read).
-
-The trainer's rank 0 logs `ddp-train[rank 0] INFO step 12/30 loss 1.2345 lr 0.001 1234 tok/s
-0.123 s/step` (trainer.py _log_step); DDP keeps every rank at the same step, so rank 0's line is the
-job's progress.
-"""
+"""Training progress from the trainer's step lines (launch/trainerlog.py): `status` and the live line."""
 
 from __future__ import annotations
 
@@ -12,55 +7,9 @@ import re
 import time
 from pathlib import Path
 
-STEP_LINE = re.compile(
-    r"ddp-train\[rank (\d+)\] INFO step (\d+)/(\d+) loss (\S+)(?: .*?)? (\d+(?:\.\d+)?) tok/s "
-    r"(\d+(?:\.\d+)?) s/step"
-)
+from ddp_train.launch.trainerlog import Step, parse_step
+
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)? ")  # logs.py _stamp
-# rank 0's last line of a run (trainer.py _log_run_throughput): wall-clock beside compute-only tokens/s
-THROUGHPUT = re.compile(
-    r"ddp-train\[rank 0\] INFO throughput: (\d+) steps in (\d+(?:\.\d+)?)s wall: (\d+) tok/s wall-clock, "
-    r"(\d+) tok/s compute-only"
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Step:
-    rank: int
-    step: int
-    total: int
-    loss: float
-    tokens_per_s: float
-    step_time_s: float
-
-    def eta_s(self) -> float:
-        return max(0, self.total - self.step) * self.step_time_s
-
-
-def parse_step(line: str) -> Step | None:
-    m = STEP_LINE.search(line)
-    if not m:
-        return None
-    try:
-        loss = float(m.group(4))
-    except ValueError:
-        loss = float("nan")
-    return Step(int(m.group(1)), int(m.group(2)), int(m.group(3)), loss, float(m.group(5)), float(m.group(6)))
-
-
-def parse_throughput(lines: list[str]) -> dict[str, float] | None:
-    """The run's throughput from rank 0's last `throughput:` line among `lines`, or None."""
-    for line in reversed(lines):
-        m = THROUGHPUT.search(line)
-        if m:
-            steps, wall, wall_tok, tok = m.groups()
-            return {
-                "steps": int(steps),
-                "wall_s": float(wall),
-                "wall_tokens_per_s": float(wall_tok),
-                "tokens_per_s": float(tok),
-            }
-    return None
 
 
 def duration(seconds: float | None) -> str:

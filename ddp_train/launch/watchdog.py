@@ -1,34 +1,34 @@
 """The stall watchdog: no step for --stall-timeout seconds -> every rank's stack, the odd ranks named.
 
-The launcher already reads every node's lines; rank 0's step lines (launch/progress.py) are the job's
+The launcher already reads every node's lines; rank 0's step lines (launch/trainerlog.py) are the job's
 progress, since DDP keeps every rank at the same step. The watchdog arms at the first step line. Its
 timeout is --stall-timeout, else STALL_FACTOR x the longest gap seen between two step lines plus the
 longest checkpoint save, at least STALL_FLOOR_S (a save or an evaluation must not look like a stall).
 
-On a stall it asks every node, through its control connection, for the stack of each rank: SIGUSR1 to
-every worker of the job that handles it (the trainer registers a faulthandler dump, all threads, into
-$DDP_STACK_DIR/r<rank>.txt: ddp_train/stackdump.py) and `py-spy dump` where py-spy is installed (native
-frames too). The stacks land in logs/<job>/stacks/<host>-r<rank>.txt (<host> made a plain file name as
-for host logs). The main thread's frames
-(function names, innermost first) are compared: the ranks outside the largest group of identical stacks
-are named; with no single largest group, the ranks not waiting in a collective are. The job is then torn
-down and ddp-launch exits STALLED (4).
+On a stall it asks every node, through its control connection, for the stack of each rank
+(launch/node/stack.sh): SIGUSR1 to every worker of the job that handles it (the trainer registers a
+faulthandler dump, all threads, into $DDP_STACK_DIR/r<rank>.txt: ddp_train/stackdump.py) and `py-spy
+dump` where py-spy is installed (native frames too). The stacks land in
+logs/<job>/stacks/<host>-r<rank>.txt (<host> made a plain file name as for host logs). The main thread's
+frames (function names, innermost first) are compared: the ranks outside the largest group of identical
+stacks are named; with no single largest group, the ranks not waiting in a collective are. The job is
+then torn down and ddp-launch exits exitcodes.STALLED (4).
 """
 
 from __future__ import annotations
 
 import re
-import shlex
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ddp_train import exitcodes
 from ddp_train.launch.jobstate import private_dir, write_private
 from ddp_train.launch.logs import safe_name
-from ddp_train.launch.progress import duration, parse_step
+from ddp_train.launch.nodecontrol import stack_command
+from ddp_train.launch.progress import duration
+from ddp_train.launch.trainerlog import Step, StepTimes
 
 STALL_FLOOR_S = 300.0
 STALL_FACTOR = 10.0
@@ -37,57 +37,13 @@ WAITING = re.compile(r"all_reduce|allreduce|all_gather|broadcast|barrier|\bwait\
 FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+) in (\S+)')
 THREAD = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+")
 
-# Runs on a node: list the job's workers of this node (RANK in their environment, GROUP_RANK = the node
-# rank: local nodes share one /proc) in this network namespace, owned by this user,
-# SIGUSR1 each one whose SigCgt mask says it handles it (bit 9: SIGUSR1 = 10; an unhandled SIGUSR1
-# would kill the process), py-spy where installed, then print every dump. Each worker's dump is in
-# its DDP_STACK_DIR: the node agent's private 0700 directory (ddp_train/agent.py), used only when it is
-# a directory of this user's (never a path another user could have prepared, issue #24).
-STACK_SCRIPT = r"""
-id=$1; node=$2; found=""; uid=$(id -u)
-me=$(readlink /proc/self/ns/net)
-for f in $(grep -lxzsF -- "DDP_JOB_ID=$id" /proc/[0-9]*/environ 2>/dev/null); do
-  p=${f#/proc/}; p=${p%/environ}
-  [ "$(readlink "/proc/$p/ns/net" 2>/dev/null)" = "$me" ] || continue
-  [ "$(sed -n 's/^Uid:[[:space:]]*\([0-9]*\).*/\1/p' "/proc/$p/status" 2>/dev/null)" = "$uid" ] || continue
-  grep -qxzF -- "GROUP_RANK=$node" "$f" 2>/dev/null || continue
-  rank=$(tr '\0' '\n' < "$f" 2>/dev/null | sed -n 's/^RANK=//p')
-  dir=$(tr '\0' '\n' < "$f" 2>/dev/null | sed -n 's/^DDP_STACK_DIR=//p')
-  case "$rank" in ''|*[!0-9]*) continue ;; esac
-  echo "WORKER $p $rank"
-  [ -n "$dir" ] && [ -d "$dir" ] && [ ! -L "$dir" ] && [ -O "$dir" ] || dir=""
-  found="$found $rank:$dir"
-  cgt=$(sed -n 's/^SigCgt:[[:space:]]*//p' "/proc/$p/status" 2>/dev/null)
-  [ -n "$cgt" ] && [ $(( (0x$cgt >> 9) & 1 )) = 1 ] && kill -USR1 "$p" 2>/dev/null
-  if [ -n "$dir" ] && command -v py-spy >/dev/null 2>&1; then
-    (set -C; timeout 20 py-spy dump --pid "$p" > "$dir/py-spy-r$rank.txt" 2>&1) &
-  fi
-done
-sleep 2
-wait
-# The launcher keeps the stacks (logs/<job>/stacks/); each one printed is removed from the node.
-for rd in $found; do
-  rank=${rd%%:*}; dir=${rd#*:}
-  [ -n "$dir" ] || continue
-  for name in "r$rank.txt" "py-spy-r$rank.txt"; do
-    [ -f "$dir/$name" ] && [ ! -L "$dir/$name" ] || continue
-    echo "==> $name"
-    cat -- "$dir/$name"
-    rm -f -- "$dir/$name"
-  done
-done
-exit 0
-"""
-
 
 class StallWatch:
-    EXIT_CODE = exitcodes.STALLED
-
-    def __init__(self, job_id: str, log_dir: Path, timeout: float | None, longest_save: Callable[[], float]):
+    def __init__(self, job_id: str, log_dir: Path, timeout: float | None, times: StepTimes) -> None:
         self.job_id = job_id
         self.dir = Path(log_dir) / "stacks"
         self.explicit = timeout
-        self.longest_save = longest_save
+        self.times = times  # the longest save, as the job measured it
         self.last_step: int | None = None
         self.last_at: float | None = None
         self.longest_gap = 0.0
@@ -96,12 +52,10 @@ class StallWatch:
     def timeout(self) -> float:
         if self.explicit:
             return self.explicit
-        return max(STALL_FLOOR_S, STALL_FACTOR * self.longest_gap + self.longest_save())
+        return max(STALL_FLOOR_S, STALL_FACTOR * self.longest_gap + self.times.longest_save)
 
-    def feed(self, plan: Any, line: str) -> None:
-        step = parse_step(line)
-        if step is None:
-            return
+    def feed(self, step: Step) -> None:
+        """A step line of any rank (launch/trainerlog.py)."""
         now = time.monotonic()
         if self.last_step is None or step.step > self.last_step:
             if self.last_at is not None:
@@ -126,10 +80,8 @@ class StallWatch:
 
         def one(item: tuple[Any, Callable[[str], tuple[int, str]]]) -> str:
             plan, run = item
-            args = [self.job_id, str(plan.rank)]
-            cmd = shlex.join(["sh", "-c", STACK_SCRIPT, "ddp-stacks", *args])
             try:
-                return run(cmd)[1]
+                return run(stack_command(self.job_id, plan.rank))[1]
             except Exception as e:  # noqa: BLE001 - one unreachable node must not stop the others
                 return f"ERROR {e}"
 
@@ -152,7 +104,7 @@ class StallWatch:
 
 
 def split_dumps(output: str) -> dict[int, str]:
-    """STACK_SCRIPT's output -> {rank: its faulthandler dump (+ py-spy's)}."""
+    """node/stack.sh's output -> {rank: its faulthandler dump (+ py-spy's)}."""
     dumps: dict[int, str] = {}
     current: tuple[int, str] | None = None
     for line in output.splitlines():

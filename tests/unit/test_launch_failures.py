@@ -12,9 +12,11 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 import ddp_train.trainer as trainer
 from ddp_train import agent
-from ddp_train.launch.job import EXIT_FAILED, Job
+from ddp_train.exitcodes import NODE_FAILED, STALLED
+from ddp_train.launch.job import Job
 from ddp_train.launch.logs import JobLog, first_error
 from ddp_train.launch.plan import Options, build_plan
+from ddp_train.launch.report import Ending, summarize
 from tests.unit.test_launch_plan import node
 
 # what rank 0 printed in the stall case of #32 (the trainer's traceback indented), then rank 1's
@@ -88,14 +90,13 @@ def test_trainer_traceback_is_indented_and_consequences_are_named() -> None:
 def summary_errors(tmp_path: Path, setup) -> dict[str, str | None]:  # noqa: ANN001 - a callable
     plan = build_plan([node("n0", "10.0.0.1"), node("n1", "10.0.0.2")], Options(job_id="j"))
     j = Job(plan, JobLog(tmp_path, "j", quiet=True))
-    setup(j)
-    j._summary(EXIT_FAILED, {}, 1.0)
+    summarize(plan, j.log, j.runs, setup(j), {}, 1.0)
     data = json.loads((tmp_path / "j" / "summary.json").read_text())
     return {n["host"]: n["first_error"] for n in data["nodes"]}
 
 
 def test_first_error_of_a_consequence_names_the_failed_rank_or_the_watchdog(tmp_path: Path) -> None:
-    def failed(j: Job) -> None:
+    def failed(j: Job) -> Ending:
         n0, n1 = j.runs
         j.log.line("n0", "n0 r0", "ddp-train: error: /r/best.pt: saving best.pt of step 40 failed: No space")
         j.log.line(
@@ -103,8 +104,10 @@ def test_first_error_of_a_consequence_names_the_failed_rank_or_the_watchdog(tmp_
             "n1 r1",
             "[rank1]: TimeoutError: rank 0 did not finish its checkpoint I/O (DistNetworkError)",
         )
-        n0.code, n1.code, n1.signalled, n0.ended = 2, 143, "SIGTERM from ddp-launch", time.monotonic()
-        j.first = n0
+        n0.exited(2)
+        n1.exited(143)
+        n1.signalled, n0.ended = "SIGTERM from ddp-launch", time.monotonic()
+        return Ending(NODE_FAILED, "first failure: n0", cause=n0)
 
     errors = summary_errors(tmp_path / "a", failed)
     assert errors == {
@@ -112,14 +115,15 @@ def test_first_error_of_a_consequence_names_the_failed_rank_or_the_watchdog(tmp_
         "n1": "stopped: node 0 failed (n0)",
     }
 
-    def stalled(j: Job) -> None:
+    def stalled(j: Job) -> Ending:
         n0, n1 = j.runs
         j.log.line(
             "n0", "n0 r0", "[rank0]: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:64150"
         )
-        n0.code = n1.code = 143
+        n0.exited(143)
+        n1.exited(143)
         n0.signalled = n1.signalled = "SIGTERM from ddp-launch"
-        j.stalled, j.first = True, n1
+        return Ending(STALLED, "stall", cause=n1, stalled=True)
 
     errors = summary_errors(tmp_path / "b", stalled)
     assert errors["n0"] == "stopped by the stall watchdog"
@@ -185,12 +189,12 @@ def test_a_consequence_failing_first_waits_briefly_for_its_cause(tmp_path: Path)
     j = Job(plan, JobLog(tmp_path, "j", quiet=True))
     n0, n1 = j.runs
     n0.started = n1.started = True
-    n1.code = 1
+    n1.exited(1)
     j.log.line("n1", "n1 r1", "ddp-train: stopped: rank 0 failed: /r/best.pt: saving best.pt failed")
 
     def rank0_ends() -> None:
         time.sleep(0.3)
-        n0.code = 2
+        n0.exited(2)
         n0.done.set()
 
     threading.Thread(target=rank0_ends).start()

@@ -16,7 +16,8 @@ import pytest
 from ddp_train.launch import jobstate
 from ddp_train.launch.cli import main
 from ddp_train.launch.logs import host_log_path
-from ddp_train.launch.progress import live_line, parse_step, read_host_log
+from ddp_train.launch.progress import live_line, read_host_log
+from ddp_train.launch.trainerlog import StepTimes, parse_step
 from ddp_train.launch.watchdog import StallWatch, main_frames, odd_ranks, split_dumps
 
 STEP = "12:00:01 ddp-train[rank 0] INFO step 12/30 loss 1.2345 lr 0.001 1500 tok/s 0.250 s/step"
@@ -117,16 +118,16 @@ def test_the_stall_watchdog_names_the_rank_whose_stack_differs() -> None:
 
 
 def test_the_stall_timeout_is_derived_from_the_step_gaps_with_a_floor() -> None:
-    watch = StallWatch("j", Path("/nonexistent"), None, lambda: 0.0)
+    watch = StallWatch("j", Path("/nonexistent"), None, StepTimes())
     assert watch.check() is None  # not armed before the first step line
-    watch.feed(None, STEP)
+    watch.feed(parse_step(STEP))
     assert watch.timeout() == 300.0 and watch.check() is None
-    explicit = StallWatch("j", Path("/nonexistent"), 0.2, lambda: 0.0)
-    explicit.feed(None, STEP)
+    explicit = StallWatch("j", Path("/nonexistent"), 0.2, StepTimes())
+    explicit.feed(parse_step(STEP))
     time.sleep(0.3)
     assert "no rank advanced past step 12" in (explicit.check() or "")
-    off = StallWatch("j", Path("/nonexistent"), 0, lambda: 0.0)
-    off.feed(None, STEP)
+    off = StallWatch("j", Path("/nonexistent"), 0, StepTimes())
+    off.feed(parse_step(STEP))
     assert off.check() is None
 
 

@@ -14,8 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ddp_train.launch.cli import _check_backend, main
+from ddp_train.launch.cli import main
 from ddp_train.launch.logs import JobLog
+from ddp_train.launch.pipeline import check_backend
 from ddp_train.launch.scriptcheck import CODES, ScriptCheck, backend_findings, check_script, module_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -328,7 +329,7 @@ def test_after_preflight_a_backend_without_gpus_warns_or_refuses(mode: str, ok: 
     console = tmp_path / "console.txt"
     with console.open("w") as out:
         log = JobLog(tmp_path / "logs", "j", console=out)
-        assert _check_backend(plan, fake_report({"node0": 0, "node1": 2}), log) is ok  # type: ignore[arg-type]
+        assert check_backend(plan, fake_report({"node0": 0, "node1": 2}), log) is ok  # type: ignore[arg-type]
         log.close()
     lines = console.read_text().splitlines()
     assert (

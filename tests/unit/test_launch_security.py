@@ -170,11 +170,12 @@ def test_detach_refuses_a_job_id_that_is_a_path_before_writing_anything(
 def test_stack_files_stay_in_the_stacks_directory_whatever_the_host_name(tmp_path: Path, name: str) -> None:
     from types import SimpleNamespace
 
+    from ddp_train.launch.trainerlog import StepTimes
     from ddp_train.launch.watchdog import StallWatch
 
     job_dir = tmp_path / "logs" / "j"
     job_dir.mkdir(parents=True)
-    watch = StallWatch("j", job_dir, 10, lambda: 0.0)
+    watch = StallWatch("j", job_dir, 10, StepTimes())
     plan = SimpleNamespace(node=SimpleNamespace(name=name), rank=0)
     dump = 'Current thread 0x01 (most recent call first):\n  File "t.py", line 1 in <module>\n'
     line = watch.collect([(plan, lambda cmd: (0, f"WORKER 1 0\n==> r0.txt\n{dump}"))])
@@ -239,7 +240,7 @@ def as_user(user: str, *argv: str) -> list[str]:
 
 
 def signal_node(sig: str, pgid: str, job: str, scope: str = "all") -> str:
-    from ddp_train.launch.job import SIGNAL_SCRIPT
+    from ddp_train.launch.nodecontrol import SIGNAL_SCRIPT
 
     res = subprocess.run(["sh", "-c", SIGNAL_SCRIPT, "ddp-launch", sig, pgid, job, scope],
                          capture_output=True, text=True, timeout=30)  # fmt: skip
@@ -280,7 +281,7 @@ def test_teardown_spares_another_session_and_another_users_process_with_the_job_
      ("DDP-LAUNCH-PGID -7", None), ("DDP-LAUNCH-PGID 12 x", None), ("DDP-LAUNCH-PGID abc", None)],
 )  # fmt: skip
 def test_a_pgid_line_that_would_signal_every_process_is_refused(line: str, pgid: int | None) -> None:
-    from ddp_train.launch.job import parse_pgid
+    from ddp_train.launch.noderun import parse_pgid
 
     assert parse_pgid(line) == pgid
 
@@ -288,7 +289,7 @@ def test_a_pgid_line_that_would_signal_every_process_is_refused(line: str, pgid:
 def test_teardown_never_signals_process_group_1(tmp_path: Path) -> None:
     """`kill -- -1` signals every process of the user: a PGID 1 given to the node script does nothing
     (run as an unprivileged kill would be, the script's own check is what keeps it from happening)."""
-    from ddp_train.launch.job import SIGNAL_SCRIPT
+    from ddp_train.launch.nodecontrol import SIGNAL_SCRIPT
 
     shim = tmp_path / "bin"
     shim.mkdir()

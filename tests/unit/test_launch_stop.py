@@ -31,11 +31,11 @@ def test_grace_is_derived_from_the_longest_save_and_step_the_trainer_printed(tmp
         "07:49:09 ddp-train[rank 0] INFO step 80/2000 loss 0.3 lr 0.003 7105 tok/s 2.500 s/step",
         "saved step-00000090.pt in 99.0s",  # not the trainer's log line: ignored
     ]:
-        j._measure(line)
-    assert (j.longest_save, j.longest_step) == (41.25, 2.5)
+        j.times.feed(line)
+    assert (j.times.longest_save, j.times.longest_step) == (41.25, 2.5)
     grace, how = j._stop_grace()
     assert grace == 2 * (41.25 + 2.5) + 10 and "longest save 41.25s" in how
-    j._measure("07:49:10 ddp-train[rank 0] INFO saved /c/step-00000100.pt in 5000.00s")
+    j.times.feed("07:49:10 ddp-train[rank 0] INFO saved /c/step-00000100.pt in 5000.00s")
     assert j._stop_grace()[0] == STOP_GRACE_MAX_S  # never beyond what torchrun was told to wait
     assert job(tmp_path, grace=7)._stop_grace() == (7, "--grace")
 
@@ -64,3 +64,74 @@ def test_flight_recorder_defaults_under_the_run_dir_unless_the_user_set_them() -
     user = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_TRACE_BUFFER_SIZE": "10",
             "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/x/t_"}  # fmt: skip
     assert flight_recorder_env("/r/run", user) == {}
+
+
+def test_a_node_runs_state_is_one_enum_that_status_reads(tmp_path: Path) -> None:
+    from ddp_train.launch.noderun import NodeState
+    from ddp_train.launch.remote import LOST
+
+    r = job(tmp_path).runs[0]
+    assert (r.state, r.status(), r.failed) == (NodeState.PENDING, "unknown (still running?)", False)
+    r.exited(0)
+    assert (r.status(), r.failed) == ("ok", False)
+    r.exited(143)
+    r.signalled = "SIGTERM from ddp-launch"
+    assert (r.status(), r.failed) == ("exit 143, after SIGTERM from ddp-launch", True)
+    r.state, r.detail = NodeState.LOST, f"{LOST}: no reply"
+    assert (r.status(), r.lost, r.error) == ("ssh lost", f"{LOST}: no reply", None)
+    r.fail("cannot connect")
+    assert (r.status(), r.error, r.lost, r.failed) == ("not started", "cannot connect", None, True)
+
+
+def test_the_session_pool_closes_every_connection_it_opened_or_adopted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ddp_train.launch import sessionpool
+
+    class Fake:
+        def __init__(self, name: str) -> None:
+            self.name, self.closed = name, 0
+
+        def alive(self) -> bool:
+            return not self.closed
+
+        def close(self) -> None:
+            self.closed += 1
+
+    opened: list[Fake] = []
+    monkeypatch.setattr(sessionpool, "open_session", lambda n, _t: opened.append(Fake(n.name)) or opened[-1])
+    n0 = node("n0", "10.0.0.1")
+    adopted = Fake("n1")
+    with sessionpool.SessionPool() as pool:
+        first = pool.get(n0)
+        assert pool.get(n0) is first and len(opened) == 1  # reused while alive
+        first.close()
+        assert pool.get(n0) is not first and len(opened) == 2  # opened again once it dropped
+        pool.adopt({"n1": adopted})
+        pool.adopt({"n1": adopted})
+        assert set(pool.sessions()) == {"n0", "n1"}
+    assert [s.closed for s in opened] == [2, 1] and adopted.closed == 1  # each closed once by the pool
+
+
+def test_the_signal_trap_counts_and_restores_the_previous_handler() -> None:
+    import os
+    import signal as sig
+
+    from ddp_train.launch.sigtrap import SignalTrap
+
+    before = sig.getsignal(sig.SIGUSR2)
+    with SignalTrap([sig.SIGUSR2]) as trap:
+        os.kill(os.getpid(), sig.SIGUSR2)
+        os.kill(os.getpid(), sig.SIGUSR2)
+    assert (trap.first, trap.count, trap.reason()) == (sig.SIGUSR2, 2, "received SIGUSR2")
+    assert sig.getsignal(sig.SIGUSR2) == before
+
+
+def test_the_node_scripts_are_package_files() -> None:
+    from ddp_train.launch import nodecontrol
+
+    root = Path(nodecontrol.__file__).parent / "node"
+    assert (root / "signal.sh").read_text() == nodecontrol.SIGNAL_SCRIPT
+    assert (root / "stack.sh").read_text() == nodecontrol.STACK_SCRIPT
+    assert '"launch/node/*.sh"' in (Path(__file__).parents[2] / "pyproject.toml").read_text()
+    assert nodecontrol.signal_command("TERM", 7, "j").startswith("sh -c ")

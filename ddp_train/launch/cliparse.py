@@ -1,0 +1,245 @@
+"""`ddp-launch`'s command line: argparse subcommands over a parent parser that run and doctor share.
+
+`run` is implied when the first argument is not a command (cli.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ddp_train import exitcodes
+from ddp_train.cliargs import Parser
+
+DEFAULT_INVENTORY = "inventory/local"
+EPILOG = (
+    """examples:
+  ddp-launch --hosts inventory/local                       # two local nodes, no SSH
+  ddp-launch doctor --hosts inventory/prod                 # preflight table, starts nothing
+  ddp-launch --hosts inventory/prod --limit 'gpu[01:04]' --config train.yaml --set train.max_steps=500
+  ddp-launch --hosts inventory/prod --dry-run -- --extra-trainer-arg
+  ddp-launch --hosts inventory/prod --sync . train.py --epochs 3   # your own script, shipped to every node
+  ddp-launch --hosts inventory/prod --sync . -m mypkg.train --lr 3e-4
+  ddp-launch check-script train.py                         # the DDP mistakes in a script, nothing runs
+  ddp-launch --hosts inventory/prod --detach               # returns once it runs; the monitor goes on
+  ddp-launch jobs; ddp-launch status JOB; ddp-launch attach JOB; ddp-launch logs JOB -f --node gpu01
+  ddp-launch stop JOB                                      # graceful: every rank saves
+
+"""
+    + exitcodes.LAUNCH_TABLE
+)
+
+
+def build_parser() -> Parser:
+    """ddp-launch's parser: run, doctor, check-script and the job commands (launch/jobcmds.py)."""
+    from ddp_train.launch import jobcmds
+
+    top = Parser(prog="ddp-launch", label="ddp-launch", hint="ddp-launch --help")
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    shared = {"parents": [_common()], "label": "ddp-launch", "hint": "ddp-launch --help", "epilog": EPILOG,
+              "formatter_class": argparse.RawDescriptionHelpFormatter}  # fmt: skip
+    sub.add_parser(
+        "doctor",
+        prog="ddp-launch doctor",
+        usage="ddp-launch doctor [options]",
+        description="Check every node of the inventory (SSH, versions, ports, hostnames) and print a table.",
+        **shared,
+    ).add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    run = sub.add_parser(
+        "run",
+        prog="ddp-launch",
+        usage="ddp-launch [run] [options] [-- trainer args | [-m] script [script args]]",
+        description="Start torchrun on every node of an Ansible inventory at once, running your script (as\n"
+        "torchrun would: `train.py args` or `-m pkg.mod args`) or, without one, the ddp_train trainer\n"
+        "(arguments after `--` go to it). `ddp-launch doctor --help`: the checks alone.",
+        **shared,
+    )
+    _run_options(run, next(g for g in run._action_groups if g.title == "job"))  # the parent's group
+    check = sub.add_parser(
+        "check-script",
+        prog="ddp-launch check-script",
+        label="ddp-launch",
+        hint="ddp-launch --help",
+        description="Read a training script and the local modules it imports with Python's ast (nothing "
+        "runs) and print each DDP mistake as `file:line: what is wrong; what to write instead`. Exit 0: "
+        "none; 2: findings (or a bad argument). The backend check needs the nodes: it runs at launch.",
+    )
+    check.add_argument(
+        "-m", "--module", action="store_true", help="SCRIPT is a module (pkg.mod), as torchrun -m"
+    )
+    check.add_argument(
+        "--sync", metavar="DIR", help="the directory shipped with the script (its modules count)"
+    )
+    check.add_argument("script", metavar="SCRIPT")
+    jobcmds.add_parsers(sub)
+    return top
+
+
+def _common() -> argparse.ArgumentParser:
+    """The options of run and doctor: the inventory, the job's processes, the connections."""
+    common = argparse.ArgumentParser(add_help=False)
+    inv = common.add_argument_group("inventory (read with Ansible's own API)")
+    inv.add_argument(
+        "--hosts",
+        "-i",
+        action="append",
+        metavar="INVENTORY",
+        help=f"Ansible inventory: directory, YAML, INI or 'h1,h2,' (repeatable) [{DEFAULT_INVENTORY}]",
+    )
+    inv.add_argument(
+        "--extra-vars",
+        "-e",
+        action="append",
+        default=[],
+        metavar="VARS",
+        help="extra variables like ansible-playbook: key=value, JSON/YAML, or @file (repeatable)",
+    )
+    inv.add_argument("--group", help="node group [gpu_nodes if it has hosts, else all]")
+    inv.add_argument("--limit", "-l", metavar="PATTERN", help="only these hosts (Ansible host pattern)")
+    inv.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="leave these hosts out (Ansible host pattern, repeatable)",
+    )
+    job = common.add_argument_group("job")
+    job.add_argument("--nproc-per-node", metavar="N", help="processes per node [ddp_nproc_per_node, else 1]")
+    job.add_argument(
+        "--master-port", type=int, metavar="PORT", help="MASTER_PORT [ddp_master_port, else 29500]"
+    )
+    job.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="extra env var for every node (sent on stdin, never in a command line)",
+    )
+    job.add_argument(
+        "--secret-env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="mark NAME secret: its value is masked wherever ddp-launch shows or records it; without "
+        "--env/ddp_env NAME its value is this shell's $NAME (so it is in no command line here either). "
+        "Names with TOKEN/KEY/SECRET/PASSWORD/PASSWD/CREDENTIAL/AUTH... and user:pass@ URLs are masked "
+        "anyway",
+    )
+    job.add_argument(
+        "--debug",
+        action="store_true",
+        help="NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,NET, TORCH_DISTRIBUTED_DEBUG=DETAIL",
+    )
+    net = common.add_argument_group("connections")
+    net.add_argument(
+        "--connect-timeout", type=float, default=10, metavar="S", help="SSH connect timeout [10]"
+    )
+    net.add_argument(
+        "--net-timeout",
+        type=float,
+        default=3,
+        metavar="S",
+        help="preflight: timeout of each node-to-node TCP probe [3]",
+    )
+    net.add_argument(
+        "--forks",
+        type=int,
+        metavar="N",
+        help="at most N nodes connected, probed or stopped at once, as ansible-playbook --forks "
+        "(the job's own channels are one per node) [ddp_forks, else ansible.cfg forks, else 5]",
+    )
+    return common
+
+
+def _run_options(run: argparse.ArgumentParser, job: argparse._ArgumentGroup) -> None:
+    job.add_argument("--config", metavar="FILE", help="trainer config (YAML); copied to every remote node")
+    job.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        dest="overrides",
+        metavar="K=V",
+        help="trainer config override (repeatable)",
+    )
+    job.add_argument("--max-restarts", type=int, metavar="R", help="passed to torchrun")
+    job.add_argument(
+        "--rdzv",
+        choices=("static", "c10d"),
+        help="torchrun rendezvous [static; c10d when --max-restarts > 0 on several nodes, "
+        "since a static rendezvous cannot restart one node's workers]",
+    )
+    job.add_argument("--job-id", help="job id (tags every process, names logs/<job>) [generated]")
+    job.add_argument(
+        "--log-dir", default="logs", metavar="DIR", help="logs go to DIR/<job>/<host>.log [logs]"
+    )
+    job.add_argument(
+        "--grace",
+        type=float,
+        metavar="S",
+        help="seconds a stop (Ctrl-C, SIGTERM, --timeout) waits for every rank to finish its step and save "
+        "before KILL [derived from the measured save and step times, at least 30, at most 600]; a node "
+        "failure waits min(S, 10)",
+    )
+    job.add_argument(
+        "--timeout", type=float, metavar="S", help="stop the job after S seconds, as SIGTERM does (exit 124)"
+    )
+    job.add_argument("--skip-preflight", action="store_true", help="launch without the preflight checks")
+    job.add_argument(
+        "--detach",
+        action="store_true",
+        help="preflight, start the job, print its id and return; a background monitor (immune to SIGHUP "
+        "and to the terminal closing) runs it: ddp-launch jobs/status/logs/attach/stop JOB",
+    )
+    job.add_argument("--monitor", action="store_true", help=argparse.SUPPRESS)  # what --detach starts
+    job.add_argument(
+        "--stall-timeout",
+        type=float,
+        metavar="S",
+        help="no step for S seconds: dump every rank's stack to logs/<job>/stacks/, name the ranks whose "
+        "stack differs, stop the job, exit 4 [10 x the longest gap between step lines + the longest "
+        "save, at least 300; 0: off]",
+    )
+    job.add_argument(
+        "--strict",
+        action="store_true",
+        help="refuse to launch when the script check finds a mistake: exit 2, or 3 for a backend the "
+        "nodes' GPUs contradict (found by preflight) [ddp_script_check: strict|warn|off, else warn]",
+    )
+    job.add_argument("--dry-run", action="store_true", help="print the exact command of every node and exit")
+    job.add_argument(
+        "--require",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a file the run needs: preflight checks it exists on every node with the master's size/mtime "
+        "(relative: to the run's directory; repeatable)",
+    )
+    user = run.add_argument_group("your own script (torchrun's meaning) and --sync")
+    user.add_argument("-m", "--module", action="store_true", help="the script is a module: -m pkg.mod")
+    user.add_argument(
+        "--sync",
+        metavar="DIR",
+        help="ship DIR to every node (only what changed) and run from there, with it on PYTHONPATH "
+        "[ddp_sync_dir]",
+    )
+    user.add_argument("--no-sync", action="store_true", help="ignore ddp_sync_dir")
+    user.add_argument(
+        "--sync-exclude",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="gitignore-style pattern left out of --sync, besides .gitignore/.ddpignore (repeatable)",
+    )
+    user.add_argument(
+        "--sync-max-size",
+        default="1G",
+        metavar="SIZE",
+        help="refuse to sync more than this (500M, 2G, ...) [1G]",
+    )
+    user.add_argument(
+        "--sync-via",
+        choices=("auto", "rsync", "archive"),
+        default="auto",
+        help="auto: rsync over ssh when both ends have it, else a tar archive over the connection [auto]",
+    )
+    # everything after the options: `-- trainer args` or `script [script args]` (launch/runargs.py)
+    user.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
