@@ -267,7 +267,7 @@ class Checkpointer:
         self.io_timeout_s, self.save_delay_s = io_timeout_s, save_delay_s
         self.interval_steps = interval_steps
         # <run dir>/best.pt: beside checkpoints/, so keep_latest_k rotation never sees it
-        self.best_path = best_path if best_path is not None else directory.parent / "best.pt"
+        self.best_path = best_path
 
     @classmethod
     def from_config(cls, cfg: Config, env: DistEnv, save_delay_s: float = 0.0) -> Checkpointer:
@@ -387,6 +387,7 @@ class Checkpointer:
                 "torch_version": str(torch.__version__),
             }
 
+        assert self.best_path is not None, "Checkpointer without a best_path"
         note = f" (val_loss {best['val_loss']:.4f} at step {step})"
         self.save(None, build, step, self.best_path, note)
 

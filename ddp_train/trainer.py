@@ -147,7 +147,8 @@ class Trainer:
     def fit(self) -> int:
         """Train to max_steps (or until SIGTERM/SIGINT), checkpointing; print the final line; exit code."""
         total = self.cfg.train.max_steps
-        meter = self._open_meter()
+        steplog = self._open_log()
+        meter = steplog.meter
         collector = GarbageCollection(self.cfg.train.gc_interval_steps)
         stopped: signal.Signals | None = None
         try:
@@ -166,7 +167,7 @@ class Trainer:
                 collector.step(self.step)
             stopped = self._report(meter.pop()) or stopped
             if self.env.is_main:
-                self.steplog.run_throughput()  # type: ignore[union-attr]
+                steplog.run_throughput()
             meter.bar.close()
             if self.saved_step != self.step:
                 self.save()
@@ -244,7 +245,7 @@ class Trainer:
             self.steplog.write(p, self.last_loss, gnorm_sum / self.env.world_size, self.best.get("val_loss"))
         return stop
 
-    def _open_meter(self) -> StepMeter:
+    def _open_log(self) -> StepLog:
         """The run's progress bar, config.yaml, metrics file (+ TensorBoard), step meter and log; logs the
         run's start."""
         bar, writer = open_outputs(self.cfg, self.env.is_main, log)
@@ -254,7 +255,7 @@ class Trainer:
             backend = torch.distributed.get_backend() if distributed.active() else "none"
             params = sum(p.numel() for p in self.model.parameters())
             self.steplog.start(self.device, backend, params, self.step, self.batches.batches_per_epoch)
-        return self.meter
+        return self.steplog
 
     # --- validation -------------------------------------------------------------------------------
 
