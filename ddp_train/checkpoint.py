@@ -8,8 +8,11 @@ aside as `*.corrupt` and the previous checkpoint is used instead.
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import logging
 import os
+import random
 import re
 import socket
 import time
@@ -19,9 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ddp_train import distributed, storage
-from ddp_train.config import ConfigError
+from ddp_train.config import Config, ConfigError
+from ddp_train.distributed import DistEnv
+from ddp_train.errors import UserError
 from ddp_train.text import one_line
 
 FORMAT = "ddp-train-checkpoint/1"
@@ -32,7 +38,7 @@ _NAME = re.compile(r"^step-(\d{8,})\.pt$")
 log = logging.getLogger("ddp_train.checkpoint")
 
 
-class CheckpointError(ConfigError):
+class CheckpointError(UserError):
     """A checkpoint that cannot be used; one line naming the file."""
 
     def __init__(self, path: Path | str, message: str) -> None:
@@ -41,6 +47,52 @@ class CheckpointError(ConfigError):
 
 class CorruptCheckpoint(CheckpointError):
     """Unreadable bytes (truncated, bad CRC, not a torch zip, missing keys)."""
+
+
+def params_sha256(model: nn.Module) -> str:
+    """sha256 (hex) over the raw float32 bytes of all parameters, in named_parameters order."""
+    h = hashlib.sha256()
+    for _, p in model.named_parameters():
+        t = p.detach().to("cpu", torch.float32).contiguous()
+        if t.numel():
+            h.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
+    return h.hexdigest()
+
+
+def seed_rng(seed: int) -> None:
+    """Seed this process's torch (CPU and CUDA) and python RNGs."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This process's torch, CUDA and python RNG states."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate()}
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    """Restore what rng_state returned."""
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and state.get("cuda") is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+    random.setstate(state["python"])
+
+
+def restore_rng(state: dict[str, Any], env: DistEnv, device: torch.device, fallback_seed: int) -> None:
+    """This rank's RNG states from a checkpoint (every rank's, in rank order); a rank the checkpoint's
+    smaller world did not have seeds with `fallback_seed`. A world size change is a warning."""
+    rngs = state["rng"]
+    if state.get("world_size") != env.world_size:
+        logging.getLogger("ddp_train").warning(
+            "checkpoint world size %s, now %d: data order and RNG streams differ from an uninterrupted run",
+            state.get("world_size"),
+            env.world_size,
+        )
+    if env.rank < len(rngs):
+        set_rng_state(rngs[env.rank], device)
+    else:
+        seed_rng(fallback_seed)
 
 
 def checkpoint_name(step: int) -> str:
@@ -207,10 +259,36 @@ class Checkpointer:
         keep_latest_k: int = 0,
         io_timeout_s: float = 1800.0,
         save_delay_s: float = 0.0,
+        interval_steps: int = 0,
+        best_path: Path | None = None,
     ) -> None:
         self.directory, self.rank, self.local_rank = directory, rank, local_rank
         self.resume, self.keep_latest_k = resume, keep_latest_k
         self.io_timeout_s, self.save_delay_s = io_timeout_s, save_delay_s
+        self.interval_steps = interval_steps
+        # <run dir>/best.pt: beside checkpoints/, so keep_latest_k rotation never sees it
+        self.best_path = best_path
+
+    @classmethod
+    def from_config(cls, cfg: Config, env: DistEnv, save_delay_s: float = 0.0) -> Checkpointer:
+        """The run's checkpointer (`checkpoint.*`); `save_delay_s` is a test hook (hooks.DebugHooks)."""
+        c = cfg.checkpoint
+        return cls(
+            cfg.checkpoint_dir,
+            rank=env.rank,
+            local_rank=env.local_rank,
+            resume=c.resume,
+            keep_latest_k=c.keep_latest_k,
+            io_timeout_s=c.io_timeout_s,
+            save_delay_s=save_delay_s,
+            interval_steps=c.interval_steps,
+            best_path=cfg.run_dir / "best.pt",
+        )
+
+    def due(self, step: int, last: bool) -> bool:
+        """Whether `step` ends with a periodic checkpoint (every interval_steps; never the last step,
+        which the run saves once it ended, however it ended)."""
+        return bool(self.interval_steps) and step % self.interval_steps == 0 and not last
 
     def newest_step(self) -> int | None:
         """This node's newest checkpoint step (by name; its contents are checked when it is loaded)."""
@@ -241,12 +319,12 @@ class Checkpointer:
         if self.local_rank == 0:
             try:
                 report = {"step": self.newest_step(), "host": socket.gethostname()}
-            except ConfigError as exc:
+            except UserError as exc:
                 report = {"error": [exc.source, exc.field, exc.message]}
         reports = distributed.all_gather_objects(report)
         for r in reports:
             if "error" in r:
-                raise ConfigError(*r["error"])
+                raise UserError(*r["error"])
         steps = [(r["step"], -rank) for rank, r in enumerate(reports) if r.get("step") is not None]
         if not steps:
             return None
@@ -257,13 +335,13 @@ class Checkpointer:
             try:
                 found = load_latest(self.directory)
                 header = {"path": str(found[1]) if found else None}
-            except ConfigError as exc:
+            except UserError as exc:
                 header = {"error": [exc.source, exc.field, exc.message]}
         # the read + CRC check happen on one rank: the others wait on the store, not in a collective
         distributed.wait_for_io(src, self.io_timeout_s, "reading its newest checkpoint")
         header = distributed.broadcast_object(header, src)
         if "error" in header:
-            raise ConfigError(*header["error"])
+            raise UserError(*header["error"])
         if header["path"] is None:
             return None
         state = distributed.broadcast_state(found[0] if found else None, device, src, into, ("optimizer",))
@@ -290,6 +368,28 @@ class Checkpointer:
                 raise
         # rank 0's write + fsync may outlast the collective timeout: wait on the store, sized for I/O
         distributed.wait_for_io(0, self.io_timeout_s, what)
+
+    def save_best(
+        self, weights: dict[str, Any], step: int, best: dict[str, Any], config: dict[str, Any]
+    ) -> None:
+        """The weights alone to best.pt (atomically), after a new best val loss: a third of a full
+        checkpoint under AdamW (two fp32 moments per weight), never a second write of the same state.
+        No optimizer, data or RNG state: a resume uses the regular checkpoints, whose `best` entry
+        keeps the best val loss."""
+
+        def build(_rngs: list[Any]) -> dict[str, Any]:
+            return {
+                "format": BEST_FORMAT,
+                "step": step,
+                "best": dict(best),
+                "model": weights,
+                "config": config,
+                "torch_version": str(torch.__version__),
+            }
+
+        assert self.best_path is not None, "Checkpointer without a best_path"
+        note = f" (val_loss {best['val_loss']:.4f} at step {step})"
+        self.save(None, build, step, self.best_path, note)
 
     def _write(self, state: dict[str, Any], step: int, path: Path | None, note: str) -> None:
         t0 = time.perf_counter()

@@ -18,20 +18,16 @@ from typing import Any
 import jsonschema
 import yaml
 
-from ddp_train.text import one_line, short
+from ddp_train.errors import UserError
+from ddp_train.text import short
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 SCHEMA_PATH = PACKAGE_DIR / "schemas" / "train.schema.json"
 DEFAULT_CONFIG_PATH = PACKAGE_DIR / "configs" / "default.yaml"
 
 
-class ConfigError(Exception):
-    """Bad user input: rendered as one line `<source>: <field>: <message>`."""
-
-    def __init__(self, source: str, field: str | None, message: str) -> None:
-        self.source, self.field, self.message = source, field, message
-        parts = [source] + ([field] if field else []) + [message]
-        super().__init__(one_line(": ".join(parts), None))
+class ConfigError(UserError):
+    """A bad config value or input file: one line `<source>: <field>: <message>`."""
 
 
 @dataclass

@@ -477,3 +477,22 @@ class ShardedBatches:
         shutdown = getattr(it, "_shutdown_workers", None)  # torch's own cleanup, also run by its __del__
         if shutdown is not None:
             shutdown()
+
+
+def train_batches(
+    cfg: Config, dataset: Dataset, rank: int, world_size: int, device: torch.device, index_log: Path | None
+) -> ShardedBatches:
+    """This rank's batches of the training set, as `train.batch_size`, `seed` and `data.*` ask."""
+    workers = cfg.data.num_workers
+    return ShardedBatches(
+        dataset,
+        cfg.train.batch_size,
+        rank,
+        world_size,
+        cfg.seed,
+        num_workers=workers,
+        pin_memory=device.type == "cuda",
+        index_log=index_log,
+        prefetch_factor=cfg.data.prefetch_factor,
+        worker_start=worker_start_method(device, dataset) if workers else None,
+    )

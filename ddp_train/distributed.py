@@ -6,19 +6,26 @@ every collective helper below is then a no-op.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import inspect
+import logging
 import os
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_train.config import ConfigError, DistConfig
+
+log = logging.getLogger("ddp_train")
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,111 @@ def select_backend(cfg: DistConfig, device: torch.device) -> str:
     if cfg.backend == "nccl" and device.type != "cuda":
         raise ConfigError("config", "dist.backend", "'nccl' needs a CUDA device (use gloo on CPU)")
     return cfg.backend
+
+
+def wrap(model: nn.Module, env: DistEnv, device: torch.device) -> nn.Module:
+    """`model` in DDP when there are ranks to average with, else `model` itself: one rank has nothing
+    to average, and DDP would only copy gradients into buckets, all-reduce them with itself and split
+    a compiled graph at every bucket (DDPOptimizer)."""
+    if not (env.distributed and env.world_size > 1):
+        return model
+    ids = [device.index] if device.type == "cuda" else None
+    return DDP(model, device_ids=ids, gradient_as_bucket_view=True)
+
+
+def no_sync(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """What the micro-steps before the last one of an optimizer step run under: DDP's no_sync (their
+    backward accumulates locally, only the last one averages over ranks), else nothing."""
+    return model.no_sync if isinstance(model, DDP) else contextlib.nullcontext
+
+
+def grads_to_none(model: nn.Module) -> bool:
+    """zero_grad's set_to_none for `model`: under DDP the gradients are views into its all-reduce
+    buckets from the first step on, as long as they are zeroed in place; set_to_none=True destroys the
+    alias every step, so each backward allocates new gradients and copies them into the buckets (torch
+    2.13 nn/parallel/distributed.py, the `batched_grad_copy` doc: "the bucket view alias is destroyed
+    every iteration"; test_ddp_gradients_stay_views_of_the_buckets checks it). Without DDP, None frees
+    the memory between steps instead."""
+    return not isinstance(model, DDP)
+
+
+# PyTorch's NCCL flight recorder: on a collective timeout the watchdog dumps the last collectives of every
+# rank. TORCH_NCCL_DUMP_ON_TIMEOUT needs a trace buffer > 0 and TORCH_NCCL_ENABLE_MONITORING (on by
+# default); the files are <dump file prefix><rank> (torch 2.13: c10d/ProcessGroupNCCL.hpp and
+# FlightRecorder.hpp, where TORCH_FR_BUFFER_SIZE / TORCH_FR_DUMP_TEMP_FILE are the current names and
+# TORCH_NCCL_TRACE_BUFFER_SIZE / TORCH_NCCL_DEBUG_INFO_TEMP_FILE the deprecated ones that still work).
+# Read when the group is created, so set before init.
+FLIGHT_RECORDER_BUFFER = "2000"
+
+
+def flight_recorder_env(run_dir: Any, environ: Any = None) -> dict[str, str]:
+    """The flight recorder defaults this run adds (a variable the user set, under either name, wins)."""
+    env = os.environ if environ is None else environ
+    added = {}
+    if "TORCH_NCCL_DUMP_ON_TIMEOUT" not in env:
+        added["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+    if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env and "TORCH_FR_BUFFER_SIZE" not in env:
+        added["TORCH_FR_BUFFER_SIZE"] = FLIGHT_RECORDER_BUFFER
+    if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in env and "TORCH_FR_DUMP_TEMP_FILE" not in env:
+        added["TORCH_FR_DUMP_TEMP_FILE"] = f"{run_dir}/nccl_trace_rank_"
+    return added
+
+
+def make_dump_dirs(environ: Any = None) -> None:
+    """Create the directory of the flight recorder's dump files on this rank. torch's writer creates no
+    directory: DebugInfoWriter::write opens a std::ofstream and only logs "Error opening file for
+    writing Flight Recorder debug info" (torch 2.13 c10d/FlightRecorderDetail.hpp), and only rank 0
+    creates the run directory, so without this every other rank's trace would be lost.
+    Both names, whichever the user set; a directory that cannot be made is a warning only."""
+    env = os.environ if environ is None else environ
+    for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
+        if env.get(name):
+            directory = Path(env[name]).parent
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                log.warning("%s: cannot create %s for NCCL trace dumps: %s", name, directory, exc)
+
+
+def compile_threads_env(env: DistEnv, environ: Any = None) -> dict[str, str]:
+    """TORCHINDUCTOR_COMPILE_THREADS = this node's cores / its ranks, unless set. Inductor otherwise
+    gives every rank min(32, cores) compile workers (torch 2.13 _inductor/config.py
+    decide_compile_threads, read once when torch._inductor.config is first imported: set it before)."""
+    environ = os.environ if environ is None else environ
+    if "TORCHINDUCTOR_COMPILE_THREADS" in environ:
+        return {}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return {"TORCHINDUCTOR_COMPILE_THREADS": str(max(1, cores // max(1, env.local_world_size)))}
+
+
+def first_step_timeout_s(cfg: DistConfig, compiled: bool) -> float:
+    """The collective timeout until the compiled steps ran once (CompileTimeouts)."""
+    return max(cfg.compile_timeout_s, cfg.collective_timeout_s) if compiled else cfg.collective_timeout_s
+
+
+class CompileTimeouts:
+    """Compiled, the first training step and the first validation compile on every rank, at different
+    speeds, and the first collective after them waits for the slowest: dist.compile_timeout_s applies
+    until the first step ran (trainer.run starts the group with it) and during the first validation,
+    collective_timeout_s otherwise."""
+
+    def __init__(self, cfg: DistConfig, compiled: bool, distributed: bool) -> None:
+        self.cfg, self.first_s = cfg, first_step_timeout_s(cfg, compiled)
+        self.pending = {"train", "eval"} if compiled and distributed else set()
+
+    def before(self, phase: str) -> None:
+        """`phase` is about to run: its first, compiling run gets the compile timeout."""
+        if phase in self.pending:
+            set_collective_timeout(self.first_s)
+
+    def ran(self, phase: str) -> None:
+        """`phase` ("train" or "eval") has run compiled on every rank: back to the collective timeout
+        unless the first training step is still on its way."""
+        if phase not in self.pending:
+            return
+        self.pending.discard(phase)
+        if "train" not in self.pending:
+            set_collective_timeout(self.cfg.collective_timeout_s)
 
 
 _IO_STORE: Any = None  # the rendezvous store, for waits that must not be collectives (wait_for_io)

@@ -15,10 +15,13 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddp_train import distributed
+from ddp_train.config import Config
+from ddp_train.distributed import DistEnv
 
 
 class Evaluator:
-    """Rank r evaluates samples r, r + world, r + 2 world, ... up to `batches` batches of `batch_size`."""
+    """Rank r evaluates samples r, r + world, r + 2 world, ... up to `batches` batches of `batch_size`,
+    every `interval_steps` steps and after the last one."""
 
     def __init__(
         self,
@@ -28,10 +31,23 @@ class Evaluator:
         rank: int,
         world_size: int,
         device: torch.device,
+        interval_steps: int = 0,
     ) -> None:
-        self.dataset, self.device = dataset, device
+        self.dataset, self.device, self.interval_steps = dataset, device, interval_steps
         indices = list(range(rank, len(dataset), world_size))[: batches * batch_size]  # type: ignore[arg-type]
         self.batches = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
+
+    @classmethod
+    def from_config(cls, cfg: Config, dataset: Dataset, env: DistEnv, device: torch.device) -> Evaluator:
+        """The run's evaluator (`eval.*`) over the val split `dataset`."""
+        e = cfg.eval
+        return cls(
+            dataset, cfg.train.batch_size, e.batches, env.rank, env.world_size, device, e.interval_steps
+        )
+
+    def due(self, step: int, last: bool) -> bool:
+        """Whether `step` (`last`: the run's last step) ends with a validation."""
+        return bool(self.interval_steps) and (step % self.interval_steps == 0 or last)
 
     def _batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         items = [self.dataset[i] for i in indices]

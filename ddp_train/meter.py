@@ -1,4 +1,5 @@
-"""The training loop's step meter: stats read one step late without a host sync, throughput windows."""
+"""The training loop's step meter (stats read one step late without a host sync, throughput windows)
+and step log (what a step reports: metrics.jsonl record and log line)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ from typing import Any
 
 import torch
 
-from ddp_train.metrics import JsonlWriter, ProgressBar
+from ddp_train.config import Config
+from ddp_train.evaluate import perplexity
+from ddp_train.metrics import JsonlWriter, ProgressBar, mfu
+
+log = logging.getLogger("ddp_train")
 
 
 def _pinned_like(t: torch.Tensor) -> torch.Tensor:
@@ -120,8 +125,99 @@ class StepMeter:
     def emit(self, record: dict[str, Any], line: str) -> None:
         """The one place a step's metrics leave the process: metrics.jsonl and the log line."""
         self.writer.write(record)
-        logging.getLogger("ddp_train").info("%s", line)
+        log.info("%s", line)
 
     def close(self) -> None:
         self.bar.close()
         self.writer.close()
+
+
+class StepLog:
+    """What the steps report through a StepMeter: a record in metrics.jsonl and a log line every
+    log.interval_steps, at the last step, at a stop and at a validation (`val` holds the val losses
+    of steps not reported yet); the run's throughput totals at the end."""
+
+    def __init__(
+        self, cfg: Config, meter: StepMeter, world_size: int, flops_per_token: float, peak: float | None
+    ) -> None:
+        self.cfg, self.meter, self.world = cfg, meter, world_size
+        self.flops_per_token, self.peak = flops_per_token, peak
+        self.val: dict[int, float] = {}
+
+    def start(self, device: Any, backend: str, params: int, step: int, batches_per_epoch: int) -> None:
+        """The run's first line (call on rank 0): world, device, model and where the steps start."""
+        cfg = self.cfg
+        log.info(
+            "world=%d device=%s backend=%s model=%s params=%d flops/token=%.3g step=%d/%d "
+            "batches/epoch/rank=%d",
+            self.world,
+            device,
+            backend,
+            cfg.model.name,
+            params,
+            self.flops_per_token,
+            step,
+            cfg.train.max_steps,
+            batches_per_epoch,
+        )
+
+    def due(self, step: int, stop: Any) -> bool:
+        """Whether `step` is reported (`stop`: the run stops after it)."""
+        every, total = self.cfg.log.interval_steps, self.cfg.train.max_steps
+        return step % every == 0 or step == total or bool(stop) or step in self.val
+
+    def write(self, p: PendingStep, loss: float, grad_norm: float, best_val: float | None) -> None:
+        """Report step `p` (mean `loss` and `grad_norm` over ranks) and close its throughput window."""
+        cfg, world = self.cfg, self.world
+        seconds, wall, tokens, steps = self.meter.close_window(p)
+        tok_s, wall_tok_s = tokens / seconds, tokens / wall
+        samples = steps * cfg.train.batch_size * cfg.train.grad_accum_steps * world
+        record: dict[str, Any] = {
+            "step": p.step,
+            "epoch": p.epoch,
+            "loss": round(loss, 6),
+            "lr": p.lr,
+            "grad_norm": round(grad_norm, 6) if cfg.train.grad_clip > 0 else None,
+            "samples_per_s": round(samples / seconds, 3),
+            "tokens_per_s": round(tok_s, 3),  # compute-only: eval and checkpoint time paused out
+            "wall_tokens_per_s": round(wall_tok_s, 3),  # wall-clock: nothing left out
+            "step_time_s": round(seconds / steps, 6),
+        }
+        if self.peak:
+            record["mfu"] = round(mfu(tok_s, self.flops_per_token, self.peak, world), 5)
+        val_text = ""
+        val = self.val.pop(p.step, None)
+        if val is not None:
+            record["val_loss"] = round(val, 6)
+            val_text = f" val_loss {val:.4f}"
+            if cfg.model.name == "gpt" or cfg.data.name == "tokens":
+                record["val_ppl"] = round(perplexity(val), 4)
+                val_text += f" val_ppl {record['val_ppl']:.2f}"
+            if best_val is not None:
+                record["best_val_loss"] = round(best_val, 6)
+        mfu_text = f" mfu {record['mfu']:.1%}" if "mfu" in record else ""
+        line = (
+            f"step {p.step}/{cfg.train.max_steps} loss {loss:.4f}{val_text} lr {p.lr:.3g} "
+            f"{tok_s:.0f} tok/s {record['step_time_s']:.3f} s/step{mfu_text} wall {wall_tok_s:.0f} tok/s"
+        )
+        self.meter.emit(record, line)  # metrics.jsonl + the log line: the one place a step is reported
+
+    def run_throughput(self) -> None:
+        """The run's totals (call on rank 0): wall-clock tokens/s (from the loop's start to now, after the
+        last step's numbers came back: the last evaluation included) beside the compute-only figure, and
+        the time between them (eval, best.pt, checkpoints, debug delays). ddp-launch reads this line
+        (launch/progress.py parse_throughput)."""
+        m = self.meter
+        steps, tokens = m.total_steps, m.total_tokens
+        wall, compute = time.perf_counter() - m.started, m.last_stamp - m.started_clock
+        if not (steps and compute > 0):
+            return
+        log.info(
+            "throughput: %d steps in %.1fs wall: %.0f tok/s wall-clock, %.0f tok/s compute-only "
+            "(%.1fs of eval, checkpoints and delays paused out)",
+            steps,
+            wall,
+            tokens / wall,
+            tokens / compute,
+            wall - compute,
+        )

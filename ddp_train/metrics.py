@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from ddp_train import storage
+from ddp_train import storage, tbwriter
+from ddp_train.config import dump_yaml
 
 LOG_FORMAT = "%(asctime)s ddp-train[rank {rank}] %(levelname)s %(message)s"
 
@@ -38,6 +39,15 @@ def peak_flops(
         if key.lower() in device_name.lower():
             return peaks[precision] * 1e12
     return None
+
+
+def device_peak_flops(device: Any, override_tflops: float | None, precision: str) -> float | None:
+    """peak_flops of `device` (a torch.device); None on CPU (no MFU there)."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    return peak_flops(torch.cuda.get_device_name(device), override_tflops, precision)
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_per_device: float, world_size: int) -> float:
@@ -105,6 +115,23 @@ def attach_progress_bar(logger: logging.Logger, bar: ProgressBar) -> None:
     for h in logger.handlers:
         if isinstance(h, _BarAwareHandler):
             h.bar = bar
+
+
+def open_outputs(cfg: Any, is_main: bool, logger: logging.Logger) -> tuple[ProgressBar, Any]:
+    """A run's progress bar (log lines clear it first) and metrics writer: metrics.jsonl on rank 0 when
+    log.jsonl, plus TensorBoard when log.tensorboard (tbwriter.tee); rank 0 writes the run's
+    config.yaml."""
+    show = cfg.log.progress == "always" or (cfg.log.progress == "auto" and sys.stderr.isatty())
+    bar = ProgressBar(cfg.train.max_steps, show and is_main)
+    attach_progress_bar(logger, bar)
+    path = cfg.run_dir / "metrics.jsonl"
+    with storage.guarded("opening the metrics file", path):
+        writer = JsonlWriter(path if is_main and cfg.log.jsonl else None)
+    writer = tbwriter.tee(writer, cfg, is_main)
+    if is_main:
+        with storage.guarded("writing the run's config", cfg.run_dir / "config.yaml"):
+            (cfg.run_dir / "config.yaml").write_text(dump_yaml(cfg), encoding="utf-8")
+    return bar, writer
 
 
 class JsonlWriter:

@@ -1,15 +1,33 @@
-"""Optimizer (AdamW or SGD; fused AdamW on CUDA) and the warmup + cosine learning-rate schedule."""
+"""Optimizer (AdamW or SGD; fused AdamW on CUDA), the warmup + cosine learning-rate schedule and the
+mixed-precision setup (autocast, GradScaler)."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
+from typing import Any
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from ddp_train.config import OptimConfig
+from ddp_train.config import ConfigError, OptimConfig
+
+_AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def mixed_precision(t: OptimConfig, device: torch.device) -> tuple[torch.amp.GradScaler, Any]:
+    """(GradScaler, autocast context) of `train.precision`: a scaler for fp16 only (enabled=False
+    otherwise), no autocast for fp32, whose matmuls run as TF32 on CUDA (enabled here)."""
+    if t.precision == "fp16" and device.type != "cuda":
+        raise ConfigError("config", "train.precision", "'fp16' needs CUDA (use bf16 or fp32 on CPU)")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
+    amp = _AMP_DTYPES.get(t.precision)
+    return scaler, torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext()
 
 
 def lr_at(step: int, cfg: OptimConfig) -> float:

@@ -11,13 +11,13 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ddp_train.config import ConfigError
+from ddp_train.errors import UserError
 
 # What a disk, not the code, makes a write fail with.
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO})
 
 
-class StorageError(ConfigError):
+class StorageError(UserError):
     """A refused write, rendered `<path>: <operation> failed: <error> (<free space>); <what was kept>`."""
 
     def __init__(self, operation: str, path: Path | str, cause: OSError, kept: str = "") -> None:

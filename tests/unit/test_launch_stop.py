@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from ddp_train import agent
+from ddp_train.distributed import flight_recorder_env
 from ddp_train.launch.job import STOP_GRACE_MIN_S, Job
 from ddp_train.launch.logs import JobLog
 from ddp_train.launch.plan import STOP_GRACE_MAX_S, Options, build_plan
-from ddp_train.trainer import flight_recorder_env
 from tests.unit.test_launch_plan import node
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from test_train_loop import metrics, train
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_train import checkpoint, data, distributed, exitcodes, meter, trainer
 from ddp_train.config import ConfigError, load_config
@@ -180,7 +181,7 @@ def test_flight_recorder_dump_dir_is_made_on_a_rank_other_than_0(tmp_path, monke
 
 def test_a_user_set_dump_path_gets_its_directory_too(tmp_path):
     environ = {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "a" / "b" / "trace_")}
-    trainer.make_dump_dirs(environ)
+    distributed.make_dump_dirs(environ)
     assert (tmp_path / "a" / "b").is_dir()
 
 
@@ -203,7 +204,7 @@ def _ddp_ranks(rank: int, port: int, out: dict, run_dir: str) -> None:
             ptrs.append([g.data_ptr() if g is not None else None for g in grads])
         t.batches.close()
         if rank == 0:
-            out["ddp"] = isinstance(t.ddp, trainer.DDP)
+            out["ddp"] = isinstance(t.train_model, DDP)
             out["ptrs"] = ptrs
     finally:
         distributed.shutdown()
@@ -234,12 +235,12 @@ def test_world_size_1_trains_without_ddp(tmp_path, monkeypatch, capsys):
         monkeypatch.setenv(k, v)
     wrapped = []
 
-    class SpyDDP(trainer.DDP):
+    class SpyDDP(DDP):
         def __init__(self, *a, **k):
             wrapped.append(1)
             super().__init__(*a, **k)
 
-    monkeypatch.setattr(trainer, "DDP", SpyDDP)
+    monkeypatch.setattr(distributed, "DDP", SpyDDP)
     code, _ = train(tmp_path, "train.max_steps=3", "eval.interval_steps=0")
     assert code == 0, capsys.readouterr().err
     assert "world=1" in capsys.readouterr().out
@@ -354,11 +355,12 @@ def test_compile_timeout_covers_the_first_step_and_the_first_validation(tmp_path
 def test_compile_threads_are_the_node_cores_shared_by_its_ranks(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)), raising=False)
     four = distributed.DistEnv(local_world_size=4)
-    assert trainer.compile_threads_env(four, {}) == {"TORCHINDUCTOR_COMPILE_THREADS": "4"}
-    assert trainer.compile_threads_env(distributed.DistEnv(local_world_size=32), {}) == {
+    assert distributed.compile_threads_env(four, {}) == {"TORCHINDUCTOR_COMPILE_THREADS": "4"}
+    assert distributed.compile_threads_env(distributed.DistEnv(local_world_size=32), {}) == {
         "TORCHINDUCTOR_COMPILE_THREADS": "1"
     }
-    assert trainer.compile_threads_env(four, {"TORCHINDUCTOR_COMPILE_THREADS": "2"}) == {}  # the user's wins
+    user = {"TORCHINDUCTOR_COMPILE_THREADS": "2"}
+    assert distributed.compile_threads_env(four, user) == {}  # the user's wins
 
 
 # --- 1: the job summary reads the run's throughput line ------------------------------------------------

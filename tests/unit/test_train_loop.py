@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from ddp_train import exitcodes
+from ddp_train.checkpoint import params_sha256
 from ddp_train.config import load_config
 from ddp_train.data import markov_tokens
-from ddp_train.trainer import StopRequest, params_sha256, run
+from ddp_train.trainer import StopRequest, run
 
 FINAL = re.compile(
     r"^ddp-train: final rank=0 world=1 step=(\d+) loss=(\S+) params_sha256=([0-9a-f]{16})$", re.M
