@@ -18,7 +18,7 @@ import pytest
 # polyfill while sys.intern is still the builtin.
 import torch._dynamo.polyfills.sys  # noqa: F401  (must precede any ansible import)
 
-from tests.testbed import DEFAULT_NET, DEFAULT_PREFIX, Testbed, TestbedError
+from tests.testbed import DEFAULT_NET, DEFAULT_PREFIX, Testbed, TestbedError, worker_net, worker_prefix
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -43,7 +43,10 @@ def require_testbed(extra_reason: str | None = None) -> None:
 
 @contextlib.contextmanager
 def private_testbed(prefix: str, net: str, hosts: int, **up: Any) -> Iterator[Testbed]:
-    """A testbed of the caller's own (`up` takes Testbed.up's options; os= picks the OS of the hosts)."""
+    """A testbed of the caller's own (`up` takes Testbed.up's options; os= picks the OS of the hosts).
+
+    Every module uses a prefix and net of its own: README's `pytest -n 4 --dist loadfile` runs a module
+    on one worker, and modules on different workers at the same time."""
     require_testbed()
     tb = Testbed(prefix=prefix, net=net, os=up.pop("os", "debian"), train_net=up.pop("train_net", None))
     try:
@@ -72,6 +75,7 @@ def testbed():
     """Three namespace hosts (node0..node2) with sshd, torn down at the end of the session.
 
     In CI a missing prerequisite fails instead of skipping, so a broken setup cannot pass as green.
+    Each pytest-xdist worker has its own (worker_prefix, worker_net).
     """
-    with private_testbed(DEFAULT_PREFIX, DEFAULT_NET, 3) as tb:
+    with private_testbed(worker_prefix(DEFAULT_PREFIX), worker_net(DEFAULT_NET), 3) as tb:
         yield tb
