@@ -116,8 +116,8 @@ class Testbed:
     train_ifnames: tuple[str, ...] = DEFAULT_TRAIN_IFNAMES
 
     def __post_init__(self) -> None:
-        if not self.prefix.isalnum() or len(self.prefix) > 8:  # br-<prefix>, v<prefix><n>: ifnames <= 15
-            raise TestbedError(f"testbed prefix must be 1-8 letters/digits, got {self.prefix!r}")
+        if not self.prefix.isalnum() or len(self.prefix) > 10:  # v<prefix><host 0-199>: ifname <= 15
+            raise TestbedError(f"testbed prefix must be 1-10 letters/digits, got {self.prefix!r}")
         for net in [self.net] + ([self.train_net] if self.train_net else []):
             parts = net.split(".")
             if len(parts) != 3 or not all(p.isdigit() and 0 <= int(p) <= 255 for p in parts):
