@@ -415,6 +415,7 @@ def assert_plan_or_one_line(code: int, out: str, err: str) -> None:
         assert "no root 'plugin' key" not in err, err
 
 
+@pytest.mark.slow
 @FAST
 @given(text=yaml_inventories())
 def test_yaml_inventory_is_a_plan_or_one_line_error(scratch: Path, text: str) -> None:
@@ -431,6 +432,7 @@ def test_ini_inventory_is_a_plan_or_one_line_error(scratch: Path, text: str) -> 
     assert_plan_or_one_line(*launch_dry_run(path))
 
 
+@pytest.mark.slow
 @CLI
 @given(yml=yaml_inventories(), ini=ini_inventories())
 def test_ddp_launch_command_line(scratch: Path, yml: str, ini: str) -> None:

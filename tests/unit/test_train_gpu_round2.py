@@ -209,6 +209,7 @@ def _ddp_ranks(rank: int, port: int, out: dict, run_dir: str) -> None:
         distributed.shutdown()
 
 
+@pytest.mark.slow
 def test_ddp_gradients_stay_views_of_the_buckets(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
