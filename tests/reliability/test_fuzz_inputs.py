@@ -204,6 +204,7 @@ def check_config(call, scratch: Path) -> ConfigError | None:  # noqa: ANN001
     return None
 
 
+@pytest.mark.slow
 @FAST
 @given(text=config_texts())
 def test_config_file_is_valid_or_one_line_error(scratch: Path, text: str) -> None:

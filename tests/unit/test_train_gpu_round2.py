@@ -28,6 +28,7 @@ CONFIGS = Path(trainer.__file__).parent / "configs"
 # --- 1: best.pt is the weights only; GPU configs evaluate rarely; wall-clock tokens/s -----------------
 
 
+@pytest.mark.slow
 def test_best_pt_holds_the_weights_only_and_loads_into_the_model(tmp_path):
     code, cfg = train(
         tmp_path,
@@ -271,6 +272,7 @@ def test_token_file_is_mapped_read_only(tmp_path, recwarn):
 # --- 6: DataLoader workers are not fork()ed from a process that runs NCCL ------------------------------
 
 
+@pytest.mark.slow
 def test_workers_start_from_a_forkserver_on_cuda_and_read_the_same_batches(tmp_path):
     assert data.worker_start_method(torch.device("cuda", 0)) == "forkserver"
     assert data.worker_start_method(torch.device("cpu")) is None  # no NCCL, no CUDA: fork is safe and cheap

@@ -60,6 +60,7 @@ def test_gpt_learns_the_markov_task(tmp_path, capsys):
     assert finals(out)[0][0] == 40
 
 
+@pytest.mark.slow
 def test_gpt_on_a_memory_mapped_token_file(tmp_path, capsys):
     ids = markov_tokens(1, 40 * 33 + 1, vocab_size=64, seed=5)[0].tolist()
     path = tmp_path / "train.bin"
