@@ -68,6 +68,7 @@ def test_a_higher_live_value_is_kept_not_lowered(thresholds, playbook, tmp_path)
     assert live() == before
 
 
+@pytest.mark.slow
 def test_the_thresholds_follow_the_cluster_size_and_verify_checks_them(thresholds, playbook, tmp_path):
     before, set_by_test = thresholds
     nodes = max(before.values()) // 8 + 16  # 8 entries per node: above every live value
