@@ -18,7 +18,7 @@ import pytest
 # polyfill while sys.intern is still the builtin.
 import torch._dynamo.polyfills.sys  # noqa: F401  (must precede any ansible import)
 
-from tests.testbed import DEFAULT_NET, DEFAULT_PREFIX, Testbed, TestbedError
+from tests.testbed import DEFAULT_NET, DEFAULT_PREFIX, Testbed, TestbedError, worker_net, worker_prefix
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -43,7 +43,10 @@ def require_testbed(extra_reason: str | None = None) -> None:
 
 @contextlib.contextmanager
 def private_testbed(prefix: str, net: str, hosts: int, **up: Any) -> Iterator[Testbed]:
-    """A testbed of the caller's own (`up` takes Testbed.up's options; os= picks the OS of the hosts)."""
+    """A testbed of the caller's own (`up` takes Testbed.up's options; os= picks the OS of the hosts).
+
+    Every module uses a prefix and net of its own: README's `pytest -n 4 --dist loadfile` runs a module
+    on one worker, and modules on different workers at the same time."""
     require_testbed()
     tb = Testbed(prefix=prefix, net=net, os=up.pop("os", "debian"), train_net=up.pop("train_net", None))
     try:
@@ -55,6 +58,32 @@ def private_testbed(prefix: str, net: str, hosts: int, **up: Any) -> Iterator[Te
         yield tb
     finally:
         tb.down()
+
+
+# Under pytest-xdist (README: -n 4 --dist loadfile --no-loadscope-reorder) the workers take modules in
+# collection order: the longest first (each of these took 6 to 13 minutes under -n 4 on 2 cores; the
+# el9 sim modules converge their own hosts), then every other module with a slow test, then the rest,
+# so that no worker starts a long module while the others run out of work.
+LONGEST_FIRST = (
+    "tests/ansible/test_el9_sim.py",
+    "tests/ansible/test_el9_sim_driver.py",
+    "tests/ansible/test_el9_sim_branch.py",
+    "tests/ansible/test_molecule.py",
+    "tests/ansible/test_el9_sim_check.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+
+    def order(item: pytest.Item) -> tuple[int, bool]:
+        module = item.nodeid.split("::")[0]
+        first = LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
+        return first, module not in slow
+
+    items.sort(key=order)  # stable: within a module, and among the rest, the collection order stays
 
 
 @pytest.fixture(scope="session")
@@ -72,6 +101,7 @@ def testbed():
     """Three namespace hosts (node0..node2) with sshd, torn down at the end of the session.
 
     In CI a missing prerequisite fails instead of skipping, so a broken setup cannot pass as green.
+    Each pytest-xdist worker has its own (worker_prefix, worker_net).
     """
-    with private_testbed(DEFAULT_PREFIX, DEFAULT_NET, 3) as tb:
+    with private_testbed(worker_prefix(DEFAULT_PREFIX), worker_net(DEFAULT_NET), 3) as tb:
         yield tb

@@ -42,6 +42,7 @@ def test_outside_torchrun_it_says_so(monkeypatch, capsys):
     assert "run it under torchrun" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_two_ranks_under_torchrun_print_one_line_each(venv_bin):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     argv = [str(venv_bin / "torchrun"), "--standalone", "--nproc-per-node=2", "-m", "ddp_train.allreduce"]

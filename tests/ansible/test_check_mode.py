@@ -22,6 +22,7 @@ def fresh_hosts():
         yield tb
 
 
+@pytest.mark.slow
 def test_check_mode_on_fresh_hosts_changes_nothing(fresh_hosts, playbook):
     before = {h.name: fresh_hosts.ssh(h, STATE).stdout for h in fresh_hosts.hosts()}
     assert all("127.0.1.1" in s and "ddp-train" not in s for s in before.values())

@@ -49,8 +49,11 @@ def test_site_yml_imports_the_five_playbooks_in_order():
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_molecule_syntax(venv_bin, scenario):
-    res = run([str(venv_bin / "molecule"), "syntax", "-s", scenario], tool_env(venv_bin), timeout=300)
+def test_molecule_syntax(venv_bin, scenario, tmp_path):
+    # Not the scenario's shared working directory, where a `molecule test` on another pytest-xdist
+    # worker keeps its state and inventory.
+    env = tool_env(venv_bin, MOLECULE_EPHEMERAL_DIRECTORY=str(tmp_path / "molecule"))
+    res = run([str(venv_bin / "molecule"), "syntax", "-s", scenario], env, timeout=300)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import tests.conftest as root_conftest
+from tests.testbed import neigh
 
 pytestmark = pytest.mark.testbed
 
@@ -35,15 +36,16 @@ def live() -> dict[str, int]:
 def thresholds():
     """The live values before the test; those the test changed are put back unless changed since."""
     root_conftest.require_testbed()
-    before = live()
-    assert before, "this kernel has no net.ipv4.neigh.default.gc_thresh*"
-    set_by_test: dict[str, int] = {}
-    yield before, set_by_test
-    now = live()
-    for key, value in set_by_test.items():
-        if now.get(key) == value and value > before[key]:
-            with contextlib.suppress(OSError):
-                _path(key).write_text(str(before[key]))
+    with neigh.held():  # no testbed coming up on another pytest-xdist worker changes them meanwhile
+        before = live()
+        assert before, "this kernel has no net.ipv4.neigh.default.gc_thresh*"
+        set_by_test: dict[str, int] = {}
+        yield before, set_by_test
+        now = live()
+        for key, value in set_by_test.items():
+            if now.get(key) == value and value > before[key]:
+                with contextlib.suppress(OSError):
+                    _path(key).write_text(str(before[key]))
 
 
 def _run(playbook, tmp_path: Path, nodes: int, *extra: str):
@@ -66,6 +68,7 @@ def test_a_higher_live_value_is_kept_not_lowered(thresholds, playbook, tmp_path)
     assert live() == before
 
 
+@pytest.mark.slow
 def test_the_thresholds_follow_the_cluster_size_and_verify_checks_them(thresholds, playbook, tmp_path):
     before, set_by_test = thresholds
     nodes = max(before.values()) // 8 + 16  # 8 entries per node: above every live value

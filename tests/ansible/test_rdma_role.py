@@ -50,6 +50,7 @@ def el9():
         yield tb
 
 
+@pytest.mark.slow
 def test_el_path_on_the_el9_simulation(el9, playbook, tmp_path):
     inv = ["-i", str(el9.inventory)]
     host = el9.hosts()[0].name

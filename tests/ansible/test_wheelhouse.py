@@ -156,6 +156,7 @@ def _wheel_gets(log: Path) -> list[str]:
     return re.findall(r'"GET /(\S+\.whl) HTTP', log.read_text())
 
 
+@pytest.mark.slow
 def test_the_index_is_read_once_and_the_nodes_install_from_the_wheelhouse(cluster, index, playbook):
     root, log = index
     hosts = cluster.hosts()
@@ -204,6 +205,7 @@ def test_the_index_is_read_once_and_the_nodes_install_from_the_wheelhouse(cluste
     assert len(_wheel_gets(log)) == len(gets), "a re-run does not read the index again"
 
 
+@pytest.mark.slow
 def test_an_air_gapped_cluster_gets_the_controllers_wheels_once(cluster, index, playbook, tmp_path):
     # Another pinned set than the first test's: a torch stub, PyYAML and one more package.
     d = tmp_path / "wheels"

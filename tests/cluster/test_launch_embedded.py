@@ -92,10 +92,11 @@ def test_a_dead_local_worker_stops_the_other_node(tmp_path: Path) -> None:
 
 def test_timeout_stops_the_job_with_exit_124(tmp_path: Path) -> None:
     slow = ["--set", "train.max_steps=2000", "--set", "debug.step_delay_s=0.2"]
-    proc = start(["--job-id", "le-timeout", "--timeout", "12", "--grace", "5", *slow], tmp_path)
+    # 30 s: under `pytest -n 4` on 2 cores, torchrun's start-up alone took more than 12 s (no step yet).
+    proc = start(["--job-id", "le-timeout", "--timeout", "30", "--grace", "5", *slow], tmp_path)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 124, out
-    assert "--timeout 12s reached: every node finishes its step and saves (SIGTERM to torchrun)" in out
+    assert "--timeout 30s reached: every node finishes its step and saves (SIGTERM to torchrun)" in out
     # every rank stopped after the same step, rank 0 saved it, every node exited 143
     stops = re.findall(r"^ddp-launch: (local\d) r\d: exit 143: rank (\d) stopped after step (\d+)", out, re.M)
     assert sorted(s[:2] for s in stops) == [("local0", "0"), ("local1", "1")], out

@@ -43,6 +43,7 @@ ONE_LINE = re.compile(
 )
 
 
+@pytest.mark.slow
 def test_disk_full_is_one_line_exit_2_and_a_relaunch_resumes(tmp_path: Path) -> None:
     with tmpfs(tmp_path / "full", "size=1m") as full:
         proc = train_alone(sets(run__dir=full, train__max_steps=200), tmp_path)
@@ -62,6 +63,7 @@ def test_disk_full_is_one_line_exit_2_and_a_relaunch_resumes(tmp_path: Path) -> 
         assert f"resumed from {kept} at step {m['step']}" in again.stderr, describe(again)
 
 
+@pytest.mark.slow
 def test_disk_full_under_torchrun_the_other_rank_names_rank_0(tmp_path: Path) -> None:
     with tmpfs(tmp_path / "full", "size=1m") as full:
         proc = run_torchrun(sets(run__dir=full, train__max_steps=200), tmp_path)

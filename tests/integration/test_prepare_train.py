@@ -7,12 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.integration.corpus import VAL_LOSS_BOUND, text_corpus
 from tests.integration.trainrun import describe, parse_finals, read_jsonl, run_torchrun, sets
 
 GPT_TINY = str(Path(__file__).resolve().parents[2] / "ddp_train" / "configs" / "gpt-tiny.yaml")
 
 
+@pytest.mark.slow
 def test_prepare_then_torchrun_reaches_the_val_bound(tmp_path: Path) -> None:
     corpus = text_corpus(tmp_path / "corpus.txt")
     prep = subprocess.run(

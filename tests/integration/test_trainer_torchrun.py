@@ -50,6 +50,7 @@ def straight(work: Path) -> tuple[subprocess.CompletedProcess, Path]:
     return proc, work / "straight" / "default"
 
 
+@pytest.mark.slow
 def test_loss_falls_and_ranks_end_identical(straight):
     proc, run_dir = straight
     finals = parse_finals(proc.stdout)
@@ -71,6 +72,7 @@ def test_loss_falls_and_ranks_end_identical(straight):
     ]
 
 
+@pytest.mark.slow
 def test_sampler_gives_disjoint_shards_and_new_order_each_epoch(straight):
     _, run_dir = straight
     per_rank = {r: read_jsonl(run_dir / f"indices-rank{r}.jsonl") for r in (0, 1)}
@@ -86,6 +88,7 @@ def test_sampler_gives_disjoint_shards_and_new_order_each_epoch(straight):
         assert e0 != e1 and set(e0) != set(e1), f"rank {r}: same data order in epochs 0 and 1"
 
 
+@pytest.mark.slow
 def test_stop_at_10_then_resume_to_20_is_bit_exact(work, straight):
     first = run_torchrun([*COMMON, *sets(run__dir="split", train__max_steps=10)], cwd=work)
     assert first.returncode == 0, describe(first)
@@ -96,6 +99,7 @@ def test_stop_at_10_then_resume_to_20_is_bit_exact(work, straight):
     assert parse_finals(second.stdout).sha == parse_finals(straight[0].stdout).sha
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_equals_the_large_batch(work, straight):
     """2 x 16 with no_sync on the first micro-step == 1 x 32 up to float summation order."""
     import torch
@@ -179,6 +183,7 @@ def _stopped_steps(stdout: str) -> dict[int, int]:
     return {int(m.group(1)): int(m.group(3)) for m in STOP_LINE.finditer(stdout)}
 
 
+@pytest.mark.slow
 def test_sigterm_to_torchrun_saves_then_resume_is_bit_exact(work, straight):
     proc = _start_slow(work, "sigterm")
     with _reaped(proc):
@@ -199,6 +204,7 @@ def test_sigterm_to_torchrun_saves_then_resume_is_bit_exact(work, straight):
     assert parse_finals(resumed.stdout).sha == parse_finals(straight[0].stdout).sha
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_worker_stops_every_rank_after_the_same_step(work):
     proc = _start_slow(work, "sigterm-one")
     with _reaped(proc):
@@ -221,6 +227,7 @@ def test_single_process_without_torchrun(tmp_path):
     assert (tmp_path / "runs" / "default" / "checkpoints" / "step-00000003.pt").is_file()
 
 
+@pytest.mark.slow
 def test_max_restarts_resumes_automatically_after_a_killed_worker(work, straight):
     """torchrun --max-restarts 1: SIGKILL one worker after the step-10 checkpoint; the new group resumes."""
     args = [*COMMON, *sets(run__dir="elastic", debug__step_delay_s=0.25)]
@@ -238,6 +245,7 @@ def test_max_restarts_resumes_automatically_after_a_killed_worker(work, straight
     assert parse_finals(out).sha == parse_finals(straight[0].stdout).sha
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_a_terminal_stops_every_rank_once_after_saving(work):
     """A terminal's Ctrl-C goes to the foreground process group. torchrun 2.13 starts each worker in a
     session of its own (elastic/multiprocessing/subprocess_handler/subprocess_handler.py:

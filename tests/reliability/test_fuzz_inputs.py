@@ -204,6 +204,7 @@ def check_config(call, scratch: Path) -> ConfigError | None:  # noqa: ANN001
     return None
 
 
+@pytest.mark.slow
 @FAST
 @given(text=config_texts())
 def test_config_file_is_valid_or_one_line_error(scratch: Path, text: str) -> None:
@@ -415,6 +416,7 @@ def assert_plan_or_one_line(code: int, out: str, err: str) -> None:
         assert "no root 'plugin' key" not in err, err
 
 
+@pytest.mark.slow
 @FAST
 @given(text=yaml_inventories())
 def test_yaml_inventory_is_a_plan_or_one_line_error(scratch: Path, text: str) -> None:
@@ -431,6 +433,7 @@ def test_ini_inventory_is_a_plan_or_one_line_error(scratch: Path, text: str) -> 
     assert_plan_or_one_line(*launch_dry_run(path))
 
 
+@pytest.mark.slow
 @CLI
 @given(yml=yaml_inventories(), ini=ini_inventories())
 def test_ddp_launch_command_line(scratch: Path, yml: str, ini: str) -> None:

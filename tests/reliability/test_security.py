@@ -174,6 +174,7 @@ def named_inventory(
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.testbed
 def test_hostile_values_reach_the_trainer_on_testbed_hosts_verbatim(testbed: Testbed, tmp_path: Path) -> None:
     tb = testbed
@@ -354,6 +355,7 @@ class PsSampler:
         return sum(text in out for _, out in self.samples)
 
 
+@pytest.mark.slow
 @pytest.mark.testbed
 def test_no_secret_in_ps_on_any_node_during_preflight_or_training(testbed: Testbed, tmp_path: Path) -> None:
     """Issue #24 item 1: preflight's probe, listener and connector ran `env K=V ... python -c` (every

@@ -9,7 +9,9 @@ stays on. An Ansible inventory of the hosts is written for the roles and the lau
     python -m tests.testbed up 3        # prints the hosts, writes inventory/testbed/hosts.yml
     python -m tests.testbed down        # kills its processes by PID, deletes its namespaces
 
-Several testbeds can coexist when they use different --prefix and --net values.
+Several testbeds can coexist when they use different --prefix and --net values. Under pytest-xdist
+(`pytest -n N`) worker gwK (K > 0) names a testbed worker_prefix(p) and worker_net(n), so the workers'
+testbeds of one name never meet.
 
 64 hosts (`up 64`, up to 200 fit the /24) come up in ~16 s and hold ~9 MiB each (sshd only). The
 kernel's neighbour table is one per kernel, not per namespace, and n hosts that all talk to each other
@@ -62,6 +64,24 @@ DEFAULT_TRAIN_IFNAMES = ("ens1f0", "train0", "enp65s0f1")
 DECOY_IFNAME, DECOY_ADDRESS = "aaa0", "172.17.0.1/16"  # sorts before every real name; docker0's address
 
 
+def _worker() -> int:
+    """This pytest-xdist worker's number (gw3: 3); 0 for gw0 and outside xdist."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return int(name[2:]) if name.startswith("gw") and name[2:].isdigit() else 0
+
+
+def worker_prefix(prefix: str) -> str:
+    """`prefix` for this xdist worker: unchanged on gw0, `<prefix>w<K>` on gwK (no digit may follow
+    a prefix directly: `down` deletes the links v<prefix><digits>)."""
+    return prefix if _worker() == 0 else f"{prefix}w{_worker()}"
+
+
+def worker_net(net: str) -> str:
+    """`net` (A.B.C) for this xdist worker: unchanged on gw0, A.(B+K).C on gwK."""
+    a, b, c = net.split(".")
+    return net if _worker() == 0 else f"{a}.{int(b) + _worker()}.{c}"
+
+
 class TestbedError(RuntimeError):
     """The testbed could not be built or torn down."""
 
@@ -96,8 +116,8 @@ class Testbed:
     train_ifnames: tuple[str, ...] = DEFAULT_TRAIN_IFNAMES
 
     def __post_init__(self) -> None:
-        if not self.prefix.isalnum() or len(self.prefix) > 6:
-            raise TestbedError(f"testbed prefix must be 1-6 letters/digits, got {self.prefix!r}")
+        if not self.prefix.isalnum() or len(self.prefix) > 10:  # v<prefix><host 0-199>: ifname <= 15
+            raise TestbedError(f"testbed prefix must be 1-10 letters/digits, got {self.prefix!r}")
         for net in [self.net] + ([self.train_net] if self.train_net else []):
             parts = net.split(".")
             if len(parts) != 3 or not all(p.isdigit() and 0 <= int(p) <= 255 for p in parts):

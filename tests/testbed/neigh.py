@@ -43,10 +43,17 @@ def _write(name: str, value: int) -> None:
 
 
 @contextlib.contextmanager
-def _locked() -> Iterator[dict]:
+def held() -> Iterator[None]:
+    """No testbed changes the thresholds meanwhile (for a test that reads and sets them itself)."""
     STATE.parent.mkdir(parents=True, exist_ok=True)
     with open(STATE.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+@contextlib.contextmanager
+def _locked() -> Iterator[dict]:
+    with held():
         try:
             state = json.loads(STATE.read_text()) if STATE.exists() else {}
         except ValueError:

@@ -240,6 +240,7 @@ def test_tensorboard_events_only_when_asked(tmp_path: Path) -> None:
     assert (tmp_path / "m.jsonl").read_text().count('"step": 3') == 1
 
 
+@pytest.mark.slow
 def test_without_tensorboard_asked_nothing_of_it_is_imported(tmp_path: Path) -> None:
     """A fresh interpreter: the trainer module and a default run's metrics writer import no TensorBoard."""
     code = (

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from ddp_train.launch.node import script
 from ddp_train.launch.node.probe import PROBE_MARK
 
@@ -24,6 +26,7 @@ def _probe(home, **env):
     return json.loads(line[len(PROBE_MARK) :])
 
 
+@pytest.mark.slow
 def test_second_probe_reads_the_cache_and_agrees(tmp_path):
     import torch
 
@@ -36,6 +39,7 @@ def test_second_probe_reads_the_cache_and_agrees(tmp_path):
     }
 
 
+@pytest.mark.slow
 def test_cache_is_keyed_by_env_and_can_be_bypassed(tmp_path):
     _probe(tmp_path)
     assert "torch_cached" not in _probe(tmp_path, PYTHONPATH=str(tmp_path))  # another key

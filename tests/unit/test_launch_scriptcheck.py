@@ -277,6 +277,7 @@ def test_the_script_is_never_executed_and_bad_files_are_findings(tmp_path: Path)
     assert "not UTF-8" in str(check_script(script).findings[0])
 
 
+@pytest.mark.slow
 def test_a_big_project_is_checked_fast(tmp_path: Path) -> None:
     body = "import torch\n\n\ndef f{i}(x):\n    return torch.relu(x) * {i}\n" + "\n".join(
         f"y{j} = [k * {j} for k in range(10)]" for j in range(200)

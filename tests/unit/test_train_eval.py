@@ -76,6 +76,7 @@ def test_synthetic_val_split_is_new_samples_of_the_same_task():
     assert torch.equal(again.x, train.x) and torch.equal(again.y, train.y)
 
 
+@pytest.mark.slow
 def test_default_demo_logs_train_and_val_curves(tmp_path, capsys):
     assert train(tmp_path) == 0
     recs = records(tmp_path)
@@ -87,6 +88,7 @@ def test_default_demo_logs_train_and_val_curves(tmp_path, capsys):
     assert re.search(r"step 40/40 loss \S+ val_loss \S+ lr", err), err
 
 
+@pytest.mark.slow
 def test_gpt_on_prepared_bytes_reaches_the_val_bound(tmp_path, prepared, capsys):
     code = train(
         tmp_path,
@@ -180,6 +182,7 @@ def _best(recs: list[dict]) -> tuple[int, float]:
     return step, loss
 
 
+@pytest.mark.slow
 def test_best_checkpoint_survives_rotation_and_resume_restores_the_best(tmp_path, capsys):
     straight, split = tmp_path / "straight", tmp_path / "split"
     assert train(straight, *OVERFIT, "train.max_steps=50") == 0

@@ -29,6 +29,7 @@ CONFIGS = Path(trainer.__file__).parent / "configs"
 # --- 1: best.pt is the weights only; GPU configs evaluate rarely; wall-clock tokens/s -----------------
 
 
+@pytest.mark.slow
 def test_best_pt_holds_the_weights_only_and_loads_into_the_model(tmp_path):
     code, cfg = train(
         tmp_path,
@@ -210,6 +211,7 @@ def _ddp_ranks(rank: int, port: int, out: dict, run_dir: str) -> None:
         distributed.shutdown()
 
 
+@pytest.mark.slow
 def test_ddp_gradients_stay_views_of_the_buckets(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -271,6 +273,7 @@ def test_token_file_is_mapped_read_only(tmp_path, recwarn):
 # --- 6: DataLoader workers are not fork()ed from a process that runs NCCL ------------------------------
 
 
+@pytest.mark.slow
 def test_workers_start_from_a_forkserver_on_cuda_and_read_the_same_batches(tmp_path):
     assert data.worker_start_method(torch.device("cuda", 0)) == "forkserver"
     assert data.worker_start_method(torch.device("cpu")) is None  # no NCCL, no CUDA: fork is safe and cheap

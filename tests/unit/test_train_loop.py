@@ -39,6 +39,7 @@ def metrics(tmp_path, name: str = "default") -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_gpt_learns_the_markov_task(tmp_path, capsys):
     code, _ = train(
         tmp_path,
@@ -60,6 +61,7 @@ def test_gpt_learns_the_markov_task(tmp_path, capsys):
     assert finals(out)[0][0] == 40
 
 
+@pytest.mark.slow
 def test_gpt_on_a_memory_mapped_token_file(tmp_path, capsys):
     ids = markov_tokens(1, 40 * 33 + 1, vocab_size=64, seed=5)[0].tolist()
     path = tmp_path / "train.bin"
@@ -124,6 +126,7 @@ def test_plugin_model_and_dataset(tmp_path, monkeypatch, capsys):
     assert records[-1]["grad_norm"] is None  # clipping off
 
 
+@pytest.mark.slow
 def test_resume_is_bit_exact_with_dropout_and_accumulation(tmp_path, capsys):
     common = [
         "model.name=gpt",
@@ -263,6 +266,7 @@ def test_stop_flags_decode_to_one_signal_for_every_rank():
     assert StopRequest.decode(3, 1) == signal.SIGINT  # SIGINT on one, SIGTERM on three: SIGINT wins
 
 
+@pytest.mark.slow
 def test_every_training_step_after_a_validation_runs_in_train_mode(tmp_path):
     """The train mode is set once; validation puts it back (dropout would stay off otherwise)."""
     from ddp_train import distributed
