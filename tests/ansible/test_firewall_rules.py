@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -137,3 +138,51 @@ SS_NAT = [
 def test_the_ssh_port_is_the_one_sshd_listens_on_not_ansible_port(playbook, tmp_path, registered, expected):
     got = _render(playbook, tmp_path, firewall_trusted_sources=["10.1.0.0/24"], ansible_port=22, **registered)
     assert got["ssh_ports"] == expected
+
+
+def _slurm_inventory(tmp_path) -> str:
+    """The nodes of _inventory, and node0 the Slurm controller (playbooks/slurm.yml runs)."""
+    path = Path(_inventory(tmp_path, NODES))
+    inv = yaml.safe_load(path.read_text())
+    inv["all"]["children"]["slurm_controller"] = {"hosts": {"node0": None}}
+    path.write_text(yaml.safe_dump(inv))
+    return str(path)
+
+
+def test_slurm_ports_and_srun_range_are_opened_to_the_cluster_only(playbook, tmp_path):
+    got = _render(playbook, tmp_path, inventory=_slurm_inventory(tmp_path))
+    assert got["rich_rules"] == [
+        f'rule family="ipv4" source address="{ip}" port port="{port}" protocol="tcp" accept'
+        for ip in NODES.values()
+        for port in ("29500", "6817", "6818", "50000-51999", "60001-63000")
+    ]
+    chain = got["nft"].split("chain input {", 1)[1].split("\n\t}", 1)[0]
+    rules = [line.strip() for line in chain.splitlines() if line.strip()]
+    assert rules[3:] == [
+        "ip saddr @cluster_sources tcp dport { 29500, 6817, 6818 } accept",
+        "ip saddr @cluster_sources tcp dport 50000-51999 accept",
+        "ip saddr @cluster_sources tcp dport 60001-63000 accept",
+        'tcp dport { 29500, 6817, 6818 } counter drop comment "ddp-train: not a cluster source"',
+        'tcp dport 50000-51999 counter drop comment "ddp-train: not a cluster source"',
+        'tcp dport 60001-63000 counter drop comment "ddp-train: not a cluster source"',
+    ]
+
+
+def test_slurmdbd_and_the_srun_range_follow_the_slurm_variables(playbook, tmp_path):
+    got = _render(
+        playbook,
+        tmp_path,
+        inventory=_slurm_inventory(tmp_path),
+        slurm_accounting="slurmdbd",
+        slurm_srun_port_range="40000-40999",
+        firewall_trusted_sources=["10.1.0.0/24"],
+    )
+    assert got["rich_rules"] == [
+        f'{SRC} port port="{port}" protocol="tcp" accept'
+        for port in ("29500", "6817", "6818", "6819", "50000-51999", "40000-40999")
+    ]
+
+
+def test_no_slurm_ports_without_a_slurm_controller_group(playbook, tmp_path):
+    nft = _render(playbook, tmp_path, inventory=_inventory(tmp_path, NODES))["nft"]
+    assert "6817" not in nft and "60001" not in nft

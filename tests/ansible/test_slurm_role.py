@@ -1,0 +1,186 @@
+"""The slurm role's configuration, rendered by the real ansible-core on localhost from an inventory
+with the facts the role records on the nodes (`slurmd -C`, gpu_facts' count, the address in the
+network), and the bad input that stops site.yml in its preflight play. The role on live hosts with
+real Slurm is tested by molecule/slurm (test_molecule_slurm.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.ansible.conftest import REPO_ROOT
+
+PLAY = str(REPO_ROOT / "tests" / "ansible" / "playbooks" / "slurm_conf.yml")
+SLURMD_C = (
+    "NodeName={} CPUs=96 Boards=1 SocketsPerBoard=2 CoresPerSocket=24 ThreadsPerCore=2 RealMemory=1000000"
+)
+NODES = {"gpu-0": ("g0", "10.1.0.10", 8), "gpu-1": ("g1", "10.1.0.11", 8), "cpu-2": ("c2", "10.1.0.12", 0)}
+
+
+def _inventory(tmp_path: Path, nvml: dict[str, bool] | None = None, controller: str = "ctl") -> str:
+    """gpu_nodes with the facts the role records; the controller is a host of its own (not a node)."""
+    nvml = nvml or {}
+    hosts = {
+        name: {
+            "__slurm_hostname": hostname,
+            "__slurm_address": ip,
+            "__slurm_gpus": gpus,
+            "__slurm_slurmd_c": {"stdout_lines": [SLURMD_C.format(hostname), "UpTime=3-01:02:03"]},
+            "__slurm_nvml_plugin": {"stat": {"exists": nvml.get(name, False)}},
+        }
+        for name, (hostname, ip, gpus) in NODES.items()
+    }
+    ctl = {controller: {"__slurm_hostname": "head", "__slurm_address": "10.1.0.2"}}
+    inv = {
+        "all": {
+            "hosts": {"localhost": None},
+            "children": {"gpu_nodes": {"hosts": hosts}, "slurm_controller": {"hosts": ctl}},
+        }
+    }
+    path = tmp_path / "inventory.yml"
+    path.write_text(yaml.safe_dump(inv, sort_keys=False))
+    return str(path)
+
+
+def _render(playbook, tmp_path: Path, nvml: dict[str, bool] | None = None, **extra) -> dict[str, str]:
+    out = tmp_path / "conf.json"
+    extra = {"ddp_network_cidr": "10.1.0.0/24", "conf_file": str(out), **extra}
+    extra["ansible_python_interpreter"] = sys.executable
+    res = playbook("-i", _inventory(tmp_path, nvml), "-c", "local", "-e", json.dumps(extra), PLAY)
+    assert res.returncode == 0, res.out[-2000:]
+    return json.loads(out.read_text())
+
+
+def _lines(conf: str) -> list[str]:
+    return [line for line in conf.splitlines() if line and not line.startswith("#")]
+
+
+def test_slurm_conf_lists_every_node_as_its_slurmd_sees_it(playbook, tmp_path):
+    conf = _lines(_render(playbook, tmp_path)["slurm.conf"])
+    hw = "CPUs=96 Boards=1 SocketsPerBoard=2 CoresPerSocket=24 ThreadsPerCore=2 RealMemory=950000"
+    assert [line for line in conf if line.startswith(("NodeName=", "PartitionName="))] == [
+        f"NodeName=gpu-0 NodeHostname=g0 NodeAddr=10.1.0.10 {hw} Gres=gpu:8 State=UNKNOWN",
+        f"NodeName=gpu-1 NodeHostname=g1 NodeAddr=10.1.0.11 {hw} Gres=gpu:8 State=UNKNOWN",
+        f"NodeName=cpu-2 NodeHostname=c2 NodeAddr=10.1.0.12 {hw} State=UNKNOWN",
+        "PartitionName=gpu Nodes=gpu-0,gpu-1,cpu-2 Default=YES MaxTime=INFINITE State=UP",
+    ]
+    for line in (
+        "SlurmctldHost=head(10.1.0.2)",
+        "SelectType=select/cons_tres",
+        "GresTypes=gpu",
+        "KillWait=120",
+        "SrunPortRange=60001-63000",
+        "ProctrackType=proctrack/cgroup",
+        "TaskPlugin=task/cgroup,task/affinity",
+        "JobAcctGatherType=jobacct_gather/cgroup",
+        "JobCompType=jobcomp/filetxt",
+        "ReturnToService=2",
+    ):
+        assert line in conf, line
+    assert not [line for line in conf if line.startswith("AccountingStorage")]
+
+
+def test_the_testbed_choices_are_variables_and_slurmdbd_replaces_the_text_file(playbook, tmp_path):
+    got = _render(
+        playbook,
+        tmp_path,
+        slurm_proctrack_type="proctrack/linuxproc",
+        slurm_task_plugin="task/none",
+        slurm_cgroup_constrain=False,
+        slurm_cgroup_plugin="cgroup/v1",
+        slurm_accounting="slurmdbd",
+        slurm_slurmdbd_host="db",
+        slurm_partition_name="train",
+        slurm_partition_max_time="2-00:00:00",
+        slurm_extra_config={"AuthInfo": "cred_expire=10"},
+    )
+    conf = _lines(got["slurm.conf"])
+    for line in (
+        "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/none",
+        "JobAcctGatherType=jobacct_gather/none",
+        "AccountingStorageType=accounting_storage/slurmdbd",
+        "AccountingStorageHost=db",
+        "AuthInfo=cred_expire=10",
+        "PartitionName=train Nodes=gpu-0,gpu-1,cpu-2 Default=YES MaxTime=2-00:00:00 State=UP",
+    ):
+        assert line in conf, line
+    assert not [line for line in conf if line.startswith("JobComp")]
+    assert _lines(got["cgroup.conf"]) == [
+        "CgroupPlugin=cgroup/v1",
+        "ConstrainCores=no",
+        "ConstrainDevices=no",
+        "ConstrainRAMSpace=no",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("nvml", "autodetect"),
+    [({}, False), ({"gpu-0": True, "gpu-1": True}, False), ({n: True for n in NODES}, True)],
+)
+def test_gres_conf_names_the_device_files_and_autodetects_only_with_nvml(
+    playbook, tmp_path, nvml, autodetect
+):
+    """AutoDetect=nvml only where every node's build has gpu_nvml.so (Debian's and EPEL's have not)."""
+    gres = _lines(_render(playbook, tmp_path, nvml)["gres.conf"])
+    files = ["NodeName=gpu-0 Name=gpu File=/dev/nvidia[0-7]", "NodeName=gpu-1 Name=gpu File=/dev/nvidia[0-7]"]
+    assert gres == (["AutoDetect=nvml"] if autodetect else []) + files
+
+
+def test_a_munge_key_from_the_inventory_is_used_without_its_line_breaks(playbook, tmp_path):
+    key = "QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVphYmNkZWZn\naGlqa2xtbm9wcXJzdHV2d3h5eg==\n"
+    got = _render(playbook, tmp_path, slurm_munge_key=key)
+    assert got["munge_key_b64"] == key.replace("\n", "")
+
+
+def test_the_firewall_opens_the_srun_range_the_role_configures():
+    slurm = yaml.safe_load((REPO_ROOT / "roles/slurm/defaults/main.yml").read_text())
+    firewall = yaml.safe_load((REPO_ROOT / "roles/firewall/defaults/main.yml").read_text())
+    assert f"default('{slurm['slurm_srun_port_range']}')" in firewall["firewall_slurm_srun_port_range"]
+
+
+# Bad input: site.yml stops in its preflight play with one line naming the variable, before any change.
+def _site_inventory(tmp_path: Path, controller: bool, **values) -> str:
+    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
+    nodes = {name: dict(local) for name in ("node0", "node1", "node2")}
+    children = {"gpu_nodes": {"hosts": nodes}}
+    if controller:
+        children["slurm_controller"] = {"hosts": {"node0": None}}
+    # No sudo here, and the run is as root already: the plays' `become` is overridden by the variable.
+    inv = {
+        "all": {"children": children, "vars": {"ddp_network_cidr": "10.1.0.0/24", "ansible_become": False}}
+    }
+    inv["all"]["vars"].update(values)
+    path = tmp_path / "inventory" / "hosts.yml"
+    path.parent.mkdir()
+    path.write_text(yaml.safe_dump(inv, sort_keys=False))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("controller", "values", "message"),
+    [
+        (
+            False,
+            {"ddp_backend": "slurm"},
+            "ddp_backend is slurm but the inventory has no slurm_controller group",
+        ),
+        (
+            True,
+            {"slurm_package_source": "rpmfusion"},
+            "slurm_package_source must be one of epel, openhpc, local",
+        ),
+    ],
+)
+def test_bad_slurm_input_stops_site_yml_with_one_line(playbook, tmp_path, controller, values, message):
+    res = playbook("-i", _site_inventory(tmp_path, controller, **values), "site.yml")
+    assert res.returncode == 2, res.out[-3000:]
+    fatal = re.findall(r"^fatal: .*$", res.out, re.M)
+    assert len(fatal) == 1, res.out[-3000:]
+    assert message in res.out and "[node0, node1, node2]" in res.out, res.out[-3000:]
+    assert "PLAY [Map every node's hostname" not in res.out, "no play after preflight ran"
