@@ -128,14 +128,13 @@ def _usage(message: str) -> int:
 
 def _check_script_command(opts: argparse.Namespace) -> int:
     """`ddp-launch check-script`: the findings, one line each; exit 0 when none, 2 otherwise."""
-    from ddp_train.launch.runargs import module_file
-    from ddp_train.launch.scriptcheck import check_script
+    from ddp_train.launch.scriptcheck import check_script, module_file
 
     root = Path(opts.sync or ".").expanduser()
     if opts.sync and not root.is_dir():
         return _usage(f"--sync {opts.sync}: not a directory")
     if opts.module:
-        rel = module_file(opts.script, lambda f: (root / f).is_file(), init=False)
+        rel = module_file(opts.script, lambda f: (root / f).is_file())
         if rel is None:
             mod = opts.script.replace(".", "/")
             return _usage(f"-m {opts.script}: no {mod}.py or {mod}/__main__.py under {root.resolve()}")

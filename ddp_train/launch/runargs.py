@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -68,7 +68,7 @@ def build(opts: argparse.Namespace, trainer_args: list[str], doctor: bool) -> Jo
             env[name] = os.environ[name]
     if opts.master_port is not None and not 1 <= opts.master_port <= 65535:
         raise LaunchError(f"--master-port {opts.master_port}: not a TCP port (1-65535)")
-    _check_nproc(opts.nproc_per_node)
+    nproc = _check_nproc(opts.nproc_per_node)
     config, required = None, []
     if not doctor:
         if opts.max_restarts is not None and opts.max_restarts < 0:
@@ -101,7 +101,7 @@ def build(opts: argparse.Namespace, trainer_args: list[str], doctor: bool) -> Jo
             required.append(script)  # not shipped: it must already be the same on every node
     options = Options(
         job_id=None if doctor else opts.job_id,
-        nproc_per_node=opts.nproc_per_node,
+        nproc_per_node=nproc,
         master_port=opts.master_port,
         max_restarts=None if doctor else opts.max_restarts,
         config=config,
@@ -144,7 +144,9 @@ def _script(opts: argparse.Namespace, manifest: Manifest | None) -> tuple[str | 
     if opts.module:
         if manifest is None:
             return opts.script, None
-        hit = module_file(opts.script, lambda f: f in manifest.entries, init=True)
+        from ddp_train.launch.scriptcheck import module_file
+
+        hit = module_file(opts.script, manifest.entries.__contains__)
         return opts.script, str(Path(manifest.root, hit)) if hit else None
     given = Path(opts.script).expanduser()
     if manifest is None:
@@ -206,17 +208,14 @@ def _check_config(path: str | None, overrides: Sequence[str]) -> tuple[str | Non
     return path, data
 
 
-def _check_nproc(value: str | None) -> None:
-    """--nproc-per-node: a positive integer, gpu, cpu or auto (the inventory's ddp_nproc_per_node is
-    checked where it is read)."""
-    if value is not None and not (value in ("gpu", "cpu", "auto") or (value.isdigit() and int(value) > 0)):
+def _check_nproc(value: str | None) -> str | None:
+    """--nproc-per-node as torchrun gets it: a positive integer, gpu, cpu or auto (the same rule as the
+    inventory's ddp_nproc_per_node, inventory.nproc_value)."""
+    from ddp_train.launch.inventory import nproc_value
+
+    if value is None:
+        return None
+    n = nproc_value(value)
+    if n is None:
         raise LaunchError(f"--nproc-per-node {value!r}: a positive integer, gpu, cpu or auto")
-
-
-def module_file(module: str, exists: Callable[[str], bool], init: bool) -> str | None:
-    """The file `-m pkg.mod` runs, relative to its root: pkg/mod.py or pkg/mod/__main__.py (and, with
-    `init`, pkg/mod/__init__.py: the one the script check reads for a synced package), the first that
-    `exists`; None if none does."""
-    rel = module.replace(".", "/")
-    found = [f"{rel}.py", f"{rel}/__main__.py"] + ([f"{rel}/__init__.py"] if init else [])
-    return next((f for f in found if exists(f)), None)
+    return n

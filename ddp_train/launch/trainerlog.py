@@ -1,7 +1,7 @@
-"""The trainer's output contract: the lines ddp_train/trainer.py prints that the launcher reads.
+"""The trainer's output contract: the lines the trainer (ddp_train/meter.py, checkpoint.py) prints that the launcher reads.
 
 Rank 0 logs `ddp-train[rank 0] INFO step 12/30 loss 1.2345 lr 0.001 1234 tok/s 0.123 s/step`
-(trainer.py _log_step; DDP keeps every rank at the same step, so rank 0's line is the job's progress),
+(meter.StepLog.write; DDP keeps every rank at the same step, so rank 0's line is the job's progress),
 `INFO saved <file>.pt in 3.21s` after each checkpoint, `INFO throughput: ...` last; each rank that
 stops on a signal prints `ddp-train: stopped rank=R world=W step=S signal=NAME` once its checkpoint is
 saved. Every line is parsed here once (StepTimes.feed); status, the live line, a stop's grace and the
@@ -20,7 +20,7 @@ STEP_LINE = re.compile(
 )
 SAVE_LINE = re.compile(r" INFO saved .+\.pt in (\d+(?:\.\d+)?)s")
 STOPPED_LINE = re.compile(r"ddp-train: stopped rank=(\d+) world=\d+ step=(\d+) signal=(\w+)")
-# rank 0's last line of a run (trainer.py _log_run_throughput): wall-clock beside compute-only tokens/s
+# rank 0's last line of a run (meter.StepLog.run_throughput): wall-clock beside compute-only tokens/s
 THROUGHPUT = re.compile(
     r"ddp-train\[rank 0\] INFO throughput: (\d+) steps in (\d+(?:\.\d+)?)s wall: (\d+) tok/s wall-clock, "
     r"(\d+) tok/s compute-only"
