@@ -434,7 +434,8 @@ FILE_OVERHEAD = (
 def checkpoint_bytes(cfg: Any) -> tuple[int, int] | None:
     """(one checkpoint, best.pt) in bytes, estimated from the model's parameters: fp32 weights, plus
     AdamW's two moments (SGD's one momentum buffer) per weight in a checkpoint; best.pt holds the
-    weights only (checkpoint.Checkpointer.save_best). The model is built on the meta device: no memory, no data.
+    weights only (checkpoint.Checkpointer.save_best). The model is built on the meta device: no memory,
+    no data.
     None when the model cannot be built here (a plug-in that needs the nodes)."""
     try:
         import torch

@@ -1,4 +1,5 @@
-"""The trainer's output contract: the lines the trainer (ddp_train/meter.py, checkpoint.py) prints that the launcher reads.
+"""The trainer's output contract: the lines the trainer prints (meter.py, checkpoint.py) that the
+launcher reads.
 
 Rank 0 logs `ddp-train[rank 0] INFO step 12/30 loss 1.2345 lr 0.001 1234 tok/s 0.123 s/step`
 (meter.StepLog.write; DDP keeps every rank at the same step, so rank 0's line is the job's progress),
