@@ -233,6 +233,8 @@ class Manifest:
                     "nvidia-settings",
                     "libnvidia-nscq",
                     drv["fabric"],
+                    *("libnvidia-ml", "libnvidia-cfg", "libnvidia-gpucomp", "libnvidia-fbc"),
+                    *("libnvsdm", "nvidia-imex", "nvlink5"),
                 ]
                 if kmod == "kmod-nvidia-open-dkms":
                     names.append("nvidia-open")
