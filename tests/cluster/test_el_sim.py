@@ -279,7 +279,9 @@ def test_cuda_repo_imports_its_key_where_the_rpmdb_holds_an_openpgp_v6_key(sim, 
         ["rpmbuild", "-bb", "--quiet", "--define", f"_topdir {tmp_path / 'top'}", str(spec)], check=True
     )
     (rpm,) = (tmp_path / "top" / "RPMS" / "noarch").glob("gpg-pubkey-*.rpm")
-    sh(sim, "node1", f"rpm -i --nodeps {rpm} && rpm -q gpg-pubkey-5a6340b3")
+    # --oldpackage: rpm compares gpg-pubkey versions (key ids), and the repository's key, generated per
+    # cache and already imported by the module install above, has a random one that may sort higher.
+    sh(sim, "node1", f"rpm -i --nodeps --oldpackage {rpm} && rpm -q gpg-pubkey-5a6340b3")
     # rpm_key's listing (ansible.builtin.rpm_key is_key_imported), in a throwaway gpg home.
     listing = (
         "rpm -q gpg-pubkey --qf '%{description}' | gpg --homedir \"$(mktemp -d)\" --batch --with-colons -"
