@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -278,8 +279,8 @@ def test_cuda_repo_imports_its_key_where_the_rpmdb_holds_an_openpgp_v6_key(sim, 
         ["rpmbuild", "-bb", "--quiet", "--define", f"_topdir {tmp_path / 'top'}", str(spec)], check=True
     )
     (rpm,) = (tmp_path / "top" / "RPMS" / "noarch").glob("gpg-pubkey-*.rpm")
-    # --oldpackage: every key is package gpg-pubkey; the sim repo's key, made when its cache was built,
-    # can carry a later release (its creation time) and rpm -i then refuses this one as older.
+    # --oldpackage: rpm compares gpg-pubkey versions (key ids), and the repository's key, generated per
+    # cache and already imported by the module install above, has a random one that may sort higher.
     sh(sim, "node1", f"rpm -i --nodeps --oldpackage {rpm} && rpm -q gpg-pubkey-5a6340b3")
     # rpm_key's listing (ansible.builtin.rpm_key is_key_imported), in a throwaway gpg home.
     listing = (
@@ -300,6 +301,23 @@ def test_cuda_repo_imports_its_key_where_the_rpmdb_holds_an_openpgp_v6_key(sim, 
     fingerprint = sim.cache.info["cuda_repo_gpgkey_fingerprint"]
     keys = sh(sim, "node1", "rpm -q gpg-pubkey --qf '%{VERSION}\\n'").stdout.split()
     assert sorted(keys) == sorted(["5a6340b3", fingerprint[-8:].lower()]), keys
+
+
+def test_nvidia_module_streams_and_profiles_as_published(sim):
+    """Every branch has its open, dkms and precompiled streams, besides the floating open-dkms, latest-dkms
+    and latest; the precompiled ones have no src profile, and their kmod is built per kernel."""
+    add_nvidia_repo(sim, "node1")
+    out = sh(sim, "node1", "dnf -q module list nvidia-driver").stdout
+    rows = re.findall(r"^nvidia-driver\s+(\S+)(?: \[\w\])*\s+(.+?)\s+Nvidia driver for", out, re.M)
+    profiles = {stream: {p.split()[0] for p in profs.split(", ")} for stream, profs in rows}
+    precompiled = {"580", "575", "latest"}
+    dkms = {"580-open", "580-dkms", "575-open", "575-dkms", "open-dkms", "latest-dkms"}
+    assert set(profiles) == precompiled | dkms, out
+    assert all(profiles[s] == {"default", "fm", "ks"} for s in precompiled), profiles
+    assert all(profiles[s] == {"default", "fm", "ks", "src"} for s in dkms), profiles
+    info = sim.cache.info
+    kmods = [p for p in info["packages"] if re.search(rf"/kmod-nvidia-{DRIVER}-5\.14\.0-", p)]
+    assert len(kmods) == 1 + len(info["newer_kernels"]), kmods
 
 
 def test_nothing_lands_on_the_real_machine(sim):

@@ -189,6 +189,7 @@ class Manifest:
         pkgs = [_pkg(p) for p in raw["packages"]]
         installed = ""
         newer = []
+        precompiled_for = []  # (kernel uname -r, its kmod package suffix, dist tag)
         for k in raw["kernels"]:
             krel = f"{k['version']}-{k['release']}.x86_64"
             table = {"@KREL@": krel, "@V@": k["version"], "@R@": k["release"]}
@@ -201,6 +202,8 @@ class Manifest:
                     "kernel-modules",
                 )
                 pkgs.append(_pkg(t, version=k["version"], release=k["release"], base=base))
+            rel_base, _, dist = k["release"].rpartition(".")
+            precompiled_for.append((krel, f"{k['version']}-{rel_base}", dist))
             if k.get("installed"):
                 installed = krel
             else:
@@ -218,12 +221,33 @@ class Manifest:
                 )
                 built[p.name] = p
                 pkgs.append(p)
+            # Precompiled streams (<branch>, latest): one kmod-nvidia-<driver>-<kernel> per kernel, built
+            # against it (NVIDIA/yum-packaging-precompiled-kmod: kmod-nvidia-535.54.03-5.14.0-284.18.1,
+            # version 535.54.03, release 3.el9_2).
+            pre = []
+            for krel, ksuffix, dist in precompiled_for:
+                pk = _pkg(
+                    {
+                        "name": f"kmod-nvidia-{v}-{ksuffix}",
+                        "requires": [f"kernel-core-uname-r = {krel}", f"nvidia-kmod-common = 3:{v}"],
+                        "provides": [f"nvidia-kmod = 3:{v}"],
+                    },
+                    version=v,
+                    release=f"3.{dist}",
+                    epoch=3,
+                    repo=CUDA_REPO,
+                )
+                built[pk.name] = pk
+                pkgs.append(pk)
+                pre.append((krel, pk.name))
             for stream, sdef in mod["streams"].items():
                 stream = stream.replace("@B@", b)
-                kmod = sdef["kmod"]
+                kmods, kmod = [sdef["kmod"]], sdef["kmod"]
+                if kmod == "precompiled":  # profiles: the running kernel's (NVIDIA's dnf plugin picks it)
+                    kmods, kmod = [n for _, n in pre], next(n for k, n in pre if k == installed)
                 names = [
                     "nvidia-kmod-common",
-                    kmod,
+                    *kmods,
                     "nvidia-driver-libs",
                     "nvidia-driver",
                     "nvidia-driver-cuda-libs",
@@ -233,12 +257,15 @@ class Manifest:
                     "nvidia-settings",
                     "libnvidia-nscq",
                     drv["fabric"],
+                    *("libnvidia-ml", "libnvidia-cfg", "libnvidia-gpucomp", "libnvidia-fbc"),
+                    *("libnvsdm", "nvidia-imex", "nvlink5"),
                 ]
                 if kmod == "kmod-nvidia-open-dkms":
                     names.append("nvidia-open")
                 profiles = {
                     pname: {"rpms": [_subst(x, {"@KMOD@": kmod, "@FABRIC@": drv["fabric"]}) for x in prpms]}
                     for pname, prpms in mod["profiles"].items()
+                    if pname in sdef.get("profiles", mod["profiles"])
                 }
                 modules.append(
                     {
