@@ -75,8 +75,9 @@ def consequence(r: NodeRun, err: str | None, end: Ending) -> str | None:
     another node failed first: that reason, not the lost connection it saw."""
     root = end.cause
     if end.stalled:
-        if r is root:
-            return err or "stalled: no progress (the watchdog's stacks name it)"
+        if r is root:  # its torchrun's SignalException is the watchdog's SIGTERM, not why it stalled
+            own = err if err and not OUR_SIGNAL.search(err) else None
+            return own or "stalled: no progress (the watchdog's stacks name it)"
         # whatever it printed once the watchdog stopped the job (torchrun's SignalException, a peer gone)
         return "stopped by the stall watchdog" if err or r.failed or r.signalled else None
     if root is None or r is root or r.error or r.lost or not r.failed:

@@ -120,6 +120,12 @@ def test_first_error_of_a_consequence_names_the_failed_rank_or_the_watchdog(tmp_
         j.log.line(
             "n0", "n0 r0", "[rank0]: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:64150"
         )
+        # the suspect's own torchrun, on the watchdog's SIGTERM (seen in the embedded stall test under load)
+        j.log.line(
+            "n1",
+            "n1 r1",
+            "torch.distributed.elastic.multiprocessing.api.SignalException: Process 7 got signal: 15",
+        )
         n0.exited(143)
         n1.exited(143)
         n0.signalled = n1.signalled = "SIGTERM from ddp-launch"
