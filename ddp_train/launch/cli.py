@@ -58,18 +58,6 @@ def _own_write(exc: BaseException) -> bool:
     return any(frame.f_code in own for frame, _ in traceback.walk_tb(exc.__traceback__))
 
 
-def _own_write(exc: BaseException) -> bool:
-    """Whether `exc` came from one of the launcher's own writes (its job directory, job.json, the
-    monitor's files), not from something else that reads or writes, such as an unreadable --config."""
-    from ddp_train.launch import jobcmds, jobstate, logs
-
-    writes = [jobstate.private_dir, jobstate.open_private, jobstate.write_private, jobstate.write_state]
-    writes += [logs._append, jobcmds.detach]
-    writes += [f for f in vars(logs.JobLog).values() if hasattr(f, "__code__")]  # its files, summary.json
-    own = {f.__code__ for f in writes}
-    return any(frame.f_code in own for frame, _ in traceback.walk_tb(exc.__traceback__))
-
-
 def _main(argv: Sequence[str] | None) -> int:
     from ddp_train.launch import runargs
     from ddp_train.launch.cliparse import build_parser
@@ -82,6 +70,10 @@ def _main(argv: Sequence[str] | None) -> int:
     shown = list(args)
     if args[:1] != ["run"] and (not args or args[0] not in COMMANDS):
         args = ["run", *args]
+    if args[0] == "doctor" and "--" in args:  # nothing may follow it: doctor starts no trainer
+        if args[args.index("--") + 1 :]:
+            return _usage("doctor takes no trainer arguments after --")
+        args = args[: args.index("--")]
     parser = build_parser()
     opts = parser.parse_args(args)
     if opts.command == "check-script":
@@ -92,10 +84,6 @@ def _main(argv: Sequence[str] | None) -> int:
         return job_command(opts)
     doctor = opts.command == "doctor"
     trainer_args = runargs.split_rest(opts)
-    if doctor and opts.rest[:1] == ["--"]:
-        return _usage("doctor takes no trainer arguments after --")
-    if doctor and opts.rest:
-        parser.error(f"unrecognized arguments: {' '.join(opts.rest)}")
     if not doctor and opts.detach and not opts.dry_run and not opts.monitor:
         from ddp_train.launch.jobcmds import detach, without_detach
         from ddp_train.launch.plan import check_job_id, new_job_id
@@ -134,7 +122,7 @@ def _check_script_command(opts: argparse.Namespace) -> int:
     if opts.sync and not root.is_dir():
         return _usage(f"--sync {opts.sync}: not a directory")
     if opts.module:
-        rel = module_file(opts.script, lambda f: (root / f).is_file())
+        rel = module_file(opts.script, lambda f: (root / f).is_file(), init=False)
         if rel is None:
             mod = opts.script.replace(".", "/")
             return _usage(f"-m {opts.script}: no {mod}.py or {mod}/__main__.py under {root.resolve()}")

@@ -43,7 +43,7 @@ def build_parser() -> Parser:
         usage="ddp-launch doctor [options]",
         description="Check every node of the inventory (SSH, versions, ports, hostnames) and print a table.",
         **shared,
-    ).add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    )
     run = sub.add_parser(
         "run",
         prog="ddp-launch",

@@ -382,12 +382,9 @@ def nproc_value(value: object) -> str | None:
     positive count (as text, without sign or leading zeros); None when `value` is none of these."""
     if isinstance(value, str) and value in NPROC_WORDS:
         return value
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not str(value).isdigit():  # no sign, space or '_' (int() takes them)
         return None
-    try:
-        n = int(str(value), 10)
-    except ValueError:
-        return None
+    n = int(str(value), 10)
     return str(n) if n >= 1 else None
 
 

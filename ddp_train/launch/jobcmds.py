@@ -282,7 +282,7 @@ def _follow(path: Path, job_dir: Path, offset: int) -> int:
             _show_new(path, offset, sys.stdout)
             if state == "lost":
                 print("ddp-launch: the job's monitor is gone (killed?); the nodes stop by themselves")
-                return 1
+                return exitcodes.NODE_FAILED
             return int(data.get("exit_code") or 0)
         time.sleep(POLL_S)
 
@@ -348,7 +348,7 @@ def _stop(job_dir: Path, data: dict[str, Any], no_wait: bool) -> int:
     if state == "lost":
         print(f"ddp-launch: job {job_id}: its monitor (pid {data.get('pid')}) is gone; the nodes stop by "
               "themselves within 30s of losing it (lifeline), saving a checkpoint")  # fmt: skip
-        return 1
+        return exitcodes.NODE_FAILED
     if state not in jobstate.LIVE:
         print(f"ddp-launch: job {job_id} is not running ({_state_text(data)})")
         return 0
@@ -370,4 +370,4 @@ def _stop(job_dir: Path, data: dict[str, Any], no_wait: bool) -> int:
     if final.get("exit_code") == 0 or final.get("stopped_cleanly"):
         return 0
     print(f"ddp-launch: job {job_id} did not stop cleanly: {_state_text(final)}", file=sys.stderr)
-    return 1
+    return exitcodes.NODE_FAILED

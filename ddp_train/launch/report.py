@@ -6,6 +6,7 @@ import dataclasses
 import re
 from collections.abc import Sequence
 
+from ddp_train import exitcodes
 from ddp_train.launch.errors import one_line
 from ddp_train.launch.logs import JobLog, first_error, table
 from ddp_train.launch.noderun import NodeRun
@@ -152,5 +153,5 @@ def summarize(
             ],
         },
     )
-    code = 1 if leftovers and end.code == 0 else end.code
+    code = exitcodes.NODE_FAILED if leftovers and end.code == 0 else end.code
     return JobResult(code, end.reason, all_clean, first_failure, leftovers, elapsed)

@@ -17,13 +17,11 @@ if TYPE_CHECKING:  # the heavy modules load only when a command needs them
     from ddp_train.launch.scriptcheck import ScriptCheck
     from ddp_train.launch.sync import Manifest
 
-DEFAULT_INVENTORY = "inventory/local"
-
 
 def split_rest(opts: argparse.Namespace) -> list[str]:
     """What followed the options (`rest`): `-- trainer args` (returned) or `script [script args]`
     (set as opts.script, opts.script_args)."""
-    rest = list(opts.rest)
+    rest = list(getattr(opts, "rest", []))  # doctor has none
     opts.script, opts.script_args = None, []
     if rest[:1] == ["--"]:
         return rest[1:]
@@ -87,6 +85,8 @@ def build(opts: argparse.Namespace, trainer_args: list[str], doctor: bool) -> Jo
             )
         config, required = _check_config(opts.config, opts.overrides)
         required += opts.require
+    from ddp_train.launch.cliparse import DEFAULT_INVENTORY
+
     sources = opts.hosts or [DEFAULT_INVENTORY]
     nodes = load_nodes(
         sources, group=opts.group, limit=opts.limit, exclude=opts.exclude, extra_vars=opts.extra_vars

@@ -114,13 +114,15 @@ def check_script(script: str | Path, roots: Iterable[str | Path] = ()) -> Script
     return project.check()
 
 
-def module_file(module: str, exists: Callable[[str], bool]) -> str | None:
+def module_file(module: str, exists: Callable[[str], bool], init: bool = True) -> str | None:
     """The file `python -m module` runs, relative to its root: pkg/mod.py, else pkg/mod/__main__.py, else
-    pkg/mod/__init__.py (read for the script check: it runs first); None when `exists` has none of them.
+    (with `init`) pkg/mod/__init__.py (read for the script check: it runs first); None when `exists` has
+    none of them. `check-script -m` passes init=False: a package without __main__.py cannot be run.
 
     `exists(rel)`: whether that file is there (a directory on disk, or a --sync manifest's entries)."""
     rel = module.replace(".", "/")
-    return next((f for f in (f"{rel}.py", f"{rel}/__main__.py", f"{rel}/__init__.py") if exists(f)), None)
+    found = (f"{rel}.py", f"{rel}/__main__.py") + ((f"{rel}/__init__.py",) if init else ())
+    return next((f for f in found if exists(f)), None)
 
 
 def backend_findings(check: ScriptCheck, gpus: Mapping[str, int]) -> list[Finding]:

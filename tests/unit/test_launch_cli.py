@@ -43,6 +43,8 @@ def run_main(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, 
         ),
         (["--hosts", LOCAL_INV, "--job-id", "a b"], "--job-id 'a b'"),
         (["doctor", "--hosts", LOCAL_INV, "--", "x"], "doctor takes no trainer arguments"),
+        (["doctor", "--hosts", LOCAL_INV, "stray", "--limit", "node0"], "unrecognized arguments: stray\n"),
+        (["--hosts", LOCAL_INV, "--nproc-per-node", "+2"], "--nproc-per-node '+2'"),
         (["--hosts", LOCAL_INV, "-e", "ddp_master_port=abc"], "ddp_master_port: 'abc' is not a TCP port"),
     ],
 )

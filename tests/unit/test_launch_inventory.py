@@ -188,9 +188,9 @@ def test_parse_ssh_args() -> None:
 
 @pytest.mark.parametrize(
     "value,want",
-    [("gpu", "gpu"), ("cpu", "cpu"), ("auto", "auto"), (8, "8"), ("8", "8"), ("08", "8"), (" 2", "2"),
-     (0, None), ("0", None), (-1, None), (True, None), ("GPU", None), ("2.5", None), ("", None),
-     (None, None)],
+    [("gpu", "gpu"), ("cpu", "cpu"), ("auto", "auto"), (8, "8"), ("8", "8"), ("08", "8"), (" 2", None),
+     ("+2", None), ("1_0", None), (0, None), ("0", None), (-1, None), (True, None), ("GPU", None),
+     ("2.5", None), ("", None), (None, None)],
 )  # fmt: skip
 def test_one_nproc_validator_for_inventory_and_command_line(value: object, want: str | None) -> None:
     assert nproc_value(value) == want

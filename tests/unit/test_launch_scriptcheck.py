@@ -444,6 +444,7 @@ def test_module_file_finds_what_python_m_runs_in_a_directory_or_a_manifest(tmp_p
     on_disk = lambda rel: (tmp_path / rel).is_file()  # noqa: E731
     assert module_file("pkg.train", on_disk) == "pkg/train.py"
     assert module_file("pkg.app", on_disk) == "pkg/app/__init__.py"  # a package without __main__.py
+    assert module_file("pkg.app", on_disk, init=False) is None  # check-script -m: python -m cannot run it
     (tmp_path / "pkg" / "app" / "__main__.py").write_text("")
     assert module_file("pkg.app", on_disk) == "pkg/app/__main__.py"
     assert module_file("pkg.none", on_disk) is None
