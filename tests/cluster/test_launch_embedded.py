@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.testbed import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -20,12 +21,6 @@ LAUNCH = str(Path(sys.executable).parent / "ddp-launch")
 FINAL = re.compile(
     r"^\[(local\d) r(\d)\] ddp-train: final rank=(\d) world=2 step=(\d+) .*params_sha256=(\w+)", re.M
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job_pids(job_id: str) -> list[int]:

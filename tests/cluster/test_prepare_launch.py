@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 
 from tests.cluster.test_launch_testbed import launch, make_inventory
 from tests.integration.corpus import VAL_LOSS_BOUND, text_corpus
-from tests.testbed import Testbed
+from tests.testbed import Testbed, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -53,12 +52,6 @@ def check_run(out: str, run_dir: Path, world: int) -> None:
     records = [json.loads(x) for x in (run_dir / "gpt-tiny" / "metrics.jsonl").read_text().splitlines()]
     val = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in val] == [20, 40, 60] and val[-1]["val_loss"] < VAL_LOSS_BOUND, val
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_local_inventory_trains_on_prepared_text(tmp_path: Path) -> None:

@@ -11,7 +11,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import yaml
 
 from tests.cluster.test_launch_testbed import Launcher, job_pids
 from tests.conftest import private_testbed, testbed_missing_reason  # noqa: F401 (re-exported)
+from tests.testbed import free_port
 
 LAUNCH = str(Path(sys.executable).parent / "ddp-launch")
 # tests.cluster's FINAL knows only testbed names (nodeN); this one takes any inventory host name.
@@ -32,13 +32,6 @@ FINAL = re.compile(
 def job_id(tag: str) -> str:
     """A job id unique to this test run (DDP_JOB_ID is how processes are found and cleaned up)."""
     return f"rl-{tag}-{secrets.token_hex(3)}"
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (for local inventories' MASTER_PORT)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def local_inventory(root: Path, nodes: int = 2, port: int | None = None, **variables: object) -> Path:

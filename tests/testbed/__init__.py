@@ -39,11 +39,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -80,6 +82,25 @@ def worker_net(net: str) -> str:
     """`net` (A.B.C) for this xdist worker: unchanged on gw0, A.(B+K).C on gwK."""
     a, b, c = net.split(".")
     return net if _worker() == 0 else f"{a}.{int(b) + _worker()}.{c}"
+
+
+_PORTS = itertools.count()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nobody listens on, from this worker's own band of 500 below the
+    kernel's ephemeral range (32768-60999): no other worker's bind(0) or connect() can draw it between
+    this check and the bind of whoever uses it (a local inventory's MASTER_PORT)."""
+    base = 20000 + 500 * _worker()
+    for _ in range(500):
+        port = base + next(_PORTS) % 500
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise TestbedError(f"no free port in {base}-{base + 499}")
 
 
 class TestbedError(RuntimeError):

@@ -18,6 +18,7 @@ from ddp_train.launch.cli import main
 from ddp_train.launch.logs import JobLog
 from ddp_train.launch.pipeline import check_backend
 from ddp_train.launch.scriptcheck import CODES, ScriptCheck, backend_findings, check_script, module_file
+from tests.testbed import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_INV = str(REPO / "inventory" / "local")
@@ -402,16 +403,13 @@ def test_launch_warns_by_default_and_strict_refuses_with_exit_2(tmp_path: Path, 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the local nodes have GPUs here: nccl is right")
 def test_strict_refuses_nccl_on_nodes_without_gpu_after_preflight_with_exit_3(tmp_path: Path) -> None:
     """Finding 8 through the console script: local preflight (no torchrun starts), then exit 3."""
-    import socket
     import subprocess
     import sys
 
     (tmp_path / "t.py").write_text("import torch.distributed as dist\ndist.init_process_group('nccl')\n")
 
     def run() -> subprocess.CompletedProcess:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = str(s.getsockname()[1])
+        port = str(free_port())
         launcher = str(Path(sys.executable).parent / "ddp-launch")
         argv = [
             launcher,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import struct
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from ddp_train.data import ShardedBatches, TokenFile
 from ddp_train.evaluate import Evaluator
 from ddp_train.meter import StepMeter
 from ddp_train.models import build_model
+from tests.testbed import free_port
 
 CONFIGS = Path(trainer.__file__).parent / "configs"
 
@@ -213,9 +213,7 @@ def _ddp_ranks(rank: int, port: int, out: dict, run_dir: str) -> None:
 
 @pytest.mark.slow
 def test_ddp_gradients_stay_views_of_the_buckets(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with mp.Manager() as manager:
         out = manager.dict()
         mp.spawn(_ddp_ranks, args=(port, out, str(tmp_path / "runs")), nprocs=2, join=True)
@@ -229,9 +227,7 @@ def test_ddp_gradients_stay_views_of_the_buckets(tmp_path):
 
 
 def test_world_size_1_trains_without_ddp(tmp_path, monkeypatch, capsys):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
     for k, v in {**env, "MASTER_PORT": str(port)}.items():
         monkeypatch.setenv(k, v)
@@ -314,9 +310,7 @@ def test_a_plugin_dataset_that_cannot_be_pickled_keeps_fork_workers(caplog):
 def test_compile_timeout_covers_the_first_step_and_the_first_validation(tmp_path, monkeypatch, capsys):
     import torch.distributed as dist
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("MASTER_PORT", str(port))

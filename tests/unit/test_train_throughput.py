@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import struct
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from ddp_train.data import ShardedBatches, TokenFile
 from ddp_train.meter import StepMeter
 from ddp_train.metrics import JsonlWriter, ProgressBar, peak_flops
 from ddp_train.models import build_model
+from tests.testbed import free_port
 
 
 class FakeEvent:
@@ -306,9 +306,7 @@ def _two_ranks(rank: int, port: int, out: dict, tmp: str) -> None:
 
 
 def test_resume_broadcast_lands_in_the_model_tensors_and_objects_travel(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with mp.Manager() as manager:
         out = manager.dict()
         mp.spawn(_two_ranks, args=(port, out, str(tmp_path)), nprocs=2, join=True)
