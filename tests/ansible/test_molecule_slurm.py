@@ -1,5 +1,6 @@
 """`molecule test -s slurm` on the namespace testbed: the slurm role with Debian 12's real Slurm 22.05
-and munge on three hosts (node0 also the controller): create, converge, idempotence (changed=0), verify
+and munge on three hosts (node0 also the controller): create, --check before anything is configured
+(the controller without a munge key yet), converge, idempotence (changed=0), verify
 (`sinfo` shows every node idle with its simulated GPUs, `srun -N3 hostname`, one GPU per node through
 `--gres`, one munge key), destroy. Uses the testbed prefix slm and net 10.213.170."""
 
@@ -44,6 +45,9 @@ def test_molecule_slurm_scenario(venv_bin):
     print(f"molecule test -s slurm: rc={res.returncode} in {minutes:.1f} min")
 
     assert res.returncode == 0, out[-6000:]
+    check = _step(out, "check")
+    assert sorted(n for n, _ in RECAP.findall(check)) == ["node0", "node1", "node2"], check[-3000:]
+    assert "check mode: node0 has no munge key yet" in check, check[-3000:]
     converge = RECAP.findall(_step(out, "converge"))
     assert sorted(n for n, _ in converge) == ["node0", "node1", "node2"]
     assert all(int(c) > 0 for _, c in converge)
