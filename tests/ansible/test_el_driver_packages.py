@@ -49,8 +49,17 @@ def test_a_dkms_older_than_the_kmod_requires_is_upgraded_or_named(el9, playbook)
     ), res.out[-3000:]
     assert "nothing provides dkms" not in res.out  # stopped before dnf's solver error
     assert _sh(el9, "rpm -q kmod-nvidia-open-dkms || true").startswith("package kmod-nvidia-open-dkms is not")
+    # --check says the same before anything changes (the queries run, the upgrade is only reported)
+    res = playbook(*inv, "--check", PLAY)
+    assert res.returncode == 2, res.out[-3000:]
+    assert "node0: dkms 3.0.10 is installed and the enabled repositories offer none newer" in res.out
 
     _sh(el9, RELEASE)
+    res = playbook(*inv, "--check", PLAY)
+    upgrade = r"TASK \[nvidia_driver : Upgrade an older dkms\][^\n]*\nchanged: \[node0\]"
+    assert re.search(upgrade, res.out), res.out[-3000:]
+    assert "dkms 3.0.10 is installed" not in res.out
+    assert _sh(el9, "rpm -q --qf '%{VERSION}' dkms") == "3.0.10"  # check mode changed nothing
     res = playbook(*inv, PLAY)
     assert res.returncode == 0, res.out[-3000:]
     assert _sh(el9, "rpm -q --qf '%{VERSION}' dkms") == "3.4.1"

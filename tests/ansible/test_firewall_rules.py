@@ -159,13 +159,16 @@ def test_slurm_ports_and_srun_range_are_opened_to_the_cluster_only(playbook, tmp
     chain = got["nft"].split("chain input {", 1)[1].split("\n\t}", 1)[0]
     rules = [line.strip() for line in chain.splitlines() if line.strip()]
     assert rules[3:] == [
-        "ip saddr @cluster_sources tcp dport { 29500, 6817, 6818 } accept",
+        "ip saddr @cluster_sources tcp dport { 29500 } accept",
         "ip saddr @cluster_sources tcp dport 50000-51999 accept",
-        "ip saddr @cluster_sources tcp dport 60001-63000 accept",
-        'tcp dport { 29500, 6817, 6818 } counter drop comment "ddp-train: not a cluster source"',
+        "ip saddr @slurm_sources tcp dport { 6817, 6818 } accept",
+        "ip saddr @slurm_sources tcp dport 60001-63000 accept",
+        'tcp dport { 29500 } counter drop comment "ddp-train: not a cluster source"',
         'tcp dport 50000-51999 counter drop comment "ddp-train: not a cluster source"',
+        'tcp dport { 6817, 6818 } counter drop comment "ddp-train: not a cluster source"',
         'tcp dport 60001-63000 counter drop comment "ddp-train: not a cluster source"',
     ]
+    assert got["nft"].count("elements = { 10.1.0.10, 10.1.0.11, 10.1.0.12 }") == 2
 
 
 def test_slurmdbd_and_the_srun_range_follow_the_slurm_variables(playbook, tmp_path):
@@ -186,3 +189,79 @@ def test_slurmdbd_and_the_srun_range_follow_the_slurm_variables(playbook, tmp_pa
 def test_no_slurm_ports_without_a_slurm_controller_group(playbook, tmp_path):
     nft = _render(playbook, tmp_path, inventory=_inventory(tmp_path, NODES))["nft"]
     assert "6817" not in nft and "60001" not in nft
+
+
+# A controller and a login host of their own (inventory/prod's example), on the training network too.
+SLURM_HOSTS = {"ctl": "10.1.0.5", "login0": "10.1.0.6"}
+SLURM_PORTS = ("6817", "6818", "60001-63000")
+
+
+def _separate_controller_inventory(tmp_path, **group_names) -> str:
+    path = Path(_inventory(tmp_path, NODES))
+    inv = yaml.safe_load(path.read_text())
+    ctl_group = group_names.get("controller", "slurm_controller")
+    login_group = group_names.get("login", "slurm_login")
+    for group, host in ((ctl_group, "ctl"), (login_group, "login0")):
+        inv["all"]["children"][group] = {"hosts": {host: {"cluster_hosts_address": SLURM_HOSTS[host]}}}
+    path.write_text(yaml.safe_dump(inv))
+    return str(path)
+
+
+def test_the_slurm_controller_and_login_hosts_reach_the_nodes_slurm_ports_only(playbook, tmp_path):
+    """slurmctld on a host of its own reaches slurmd (6818) and srun's ports on the nodes, not the training
+    ports."""
+    got = _render(playbook, tmp_path, inventory=_separate_controller_inventory(tmp_path), rules_host="node0")
+    assert got["rich_rules"] == [
+        f'rule family="ipv4" source address="{ip}" port port="{port}" protocol="tcp" accept'
+        for ip in NODES.values()
+        for port in ("29500", "6817", "6818", "50000-51999", "60001-63000")
+    ] + [
+        f'rule family="ipv4" source address="{ip}" port port="{port}" protocol="tcp" accept'
+        for ip in SLURM_HOSTS.values()
+        for port in SLURM_PORTS
+    ]
+    nft = got["nft"]
+    cluster_set = nft.split("set cluster_sources {", 1)[1].split("}", 1)[0]
+    slurm_set = nft.split("set slurm_sources {", 1)[1].split("\n\t}", 1)[0]
+    assert "elements = { 10.1.0.10, 10.1.0.11, 10.1.0.12 " in cluster_set
+    assert "elements = { 10.1.0.10, 10.1.0.11, 10.1.0.12, 10.1.0.5, 10.1.0.6 }" in slurm_set
+    assert "ip saddr @slurm_sources tcp dport { 6817, 6818 } accept" in nft
+    assert "ip saddr @cluster_sources tcp dport { 29500 } accept" in nft
+
+
+def test_on_the_slurm_controller_only_the_slurm_ports_are_opened(playbook, tmp_path):
+    """The controller's slurmctld (6817) and srun's ports there admit the nodes and the login host; the
+    training ports and the ephemeral range stay the admin's business on a host that does not train."""
+    got = _render(playbook, tmp_path, inventory=_separate_controller_inventory(tmp_path), rules_host="ctl")
+    assert got["rich_rules"] == [
+        f'rule family="ipv4" source address="{ip}" port port="{port}" protocol="tcp" accept'
+        for ip in [*NODES.values(), *SLURM_HOSTS.values()]
+        for port in SLURM_PORTS
+    ]
+    chain = got["nft"].split("chain input {", 1)[1].split("\n\t}", 1)[0]
+    rules = [line.strip() for line in chain.splitlines() if line.strip()]
+    assert rules[3:] == [
+        "ip saddr @slurm_sources tcp dport { 6817, 6818 } accept",
+        "ip saddr @slurm_sources tcp dport 60001-63000 accept",
+        'tcp dport { 6817, 6818 } counter drop comment "ddp-train: not a cluster source"',
+        'tcp dport 60001-63000 counter drop comment "ddp-train: not a cluster source"',
+    ]
+    assert "cluster_sources" not in got["nft"] and "29500" not in got["nft"] and "50000" not in got["nft"]
+
+
+def test_the_slurm_groups_are_the_roles_variables(playbook, tmp_path):
+    inventory = _separate_controller_inventory(tmp_path, controller="head", login="submit")
+    got = _render(
+        playbook,
+        tmp_path,
+        inventory=inventory,
+        rules_host="node0",
+        slurm_controller_group="head",
+        slurm_login_group="submit",
+    )
+    for ip in SLURM_HOSTS.values():
+        rule = f'rule family="ipv4" source address="{ip}" port port="6818" protocol="tcp" accept'
+        assert rule in got["rich_rules"]
+    # under the default names the groups do not exist: no Slurm ports at all
+    got = _render(playbook, tmp_path, inventory=inventory, rules_host="node0")
+    assert "6817" not in got["nft"]

@@ -184,3 +184,42 @@ def test_bad_slurm_input_stops_site_yml_with_one_line(playbook, tmp_path, contro
     assert len(fatal) == 1, res.out[-3000:]
     assert message in res.out and "[node0, node1, node2]" in res.out, res.out[-3000:]
     assert "PLAY [Map every node's hostname" not in res.out, "no play after preflight ran"
+
+
+def _plays(out: str) -> list[tuple[str, list[str]]]:
+    """`--list-hosts` output as (play name, sorted hosts) pairs."""
+    plays = re.findall(
+        r"play #\d+ \([^)]*\): (.+?)\tTAGS: \[\]\n\s+pattern: .*\n\s+hosts \(\d+\):\n((?:\s{6}\S+\n)*)", out
+    )
+    return [(name, sorted(hosts.split())) for name, hosts in plays]
+
+
+def test_the_plays_take_the_slurm_group_names_from_the_role_variables(playbook, tmp_path):
+    """slurm_controller_group, slurm_compute_group and slurm_login_group, not the default names written in."""
+    children = {
+        "gpu_nodes": {"hosts": {"node0": None}},
+        "head": {"hosts": {"ctl": None}},
+        "workers": {"hosts": {"w0": None, "w1": None}},
+        "submit": {"hosts": {"login0": None}},
+    }
+    inv = tmp_path / "hosts.yml"
+    inv.write_text(yaml.safe_dump({"all": {"children": children}}))
+    names = {
+        "slurm_controller_group": "head",
+        "slurm_compute_group": "workers",
+        "slurm_login_group": "submit",
+    }
+    base = str(REPO_ROOT / "playbooks" / "base.yml")
+    slurm = str(REPO_ROOT / "playbooks" / "slurm.yml")
+    res = playbook("-i", str(inv), "--list-hosts", "-e", json.dumps(names), slurm, base)
+    assert res.returncode == 0, res.out[-2000:]
+    assert _plays(res.out) == [
+        ("Slurm controller, compute nodes and login hosts", ["ctl", "login0", "w0", "w1"]),
+        ("Check Slurm from the controller", ["ctl"]),
+        # the firewall runs on the controller and login hosts too (their Slurm ports)
+        (
+            "Map every node's hostname to its training-network IP, and open the training ports"
+            " to the cluster",
+            ["ctl", "login0", "node0"],
+        ),
+    ]
