@@ -403,6 +403,6 @@ class Checkpointer:
             else:
                 save_file(state, path)
                 deleted = note
-        # "saved ... in N.NNs": ddp-launch reads it to size the grace period of a stop (launch/job.py)
+        # "saved ... in N.NNs": ddp-launch reads it to size the grace period of a stop (launch/run/job.py)
         seconds = time.perf_counter() - t0
         logging.getLogger("ddp_train").info("saved %s in %.2fs%s", final, seconds, deleted)

@@ -13,7 +13,7 @@ SIGINT = 130  # the same for SIGINT (Ctrl-C)
 NODE_FAILED = 1  # a node failed, could not start, or was lost
 PREFLIGHT = 3  # preflight failed, or another job runs on the same nodes and port
 # the stall watchdog found no progress for --stall-timeout, dumped every rank's stack to
-# logs/<job>/stacks/ and stopped the job (launch/watchdog.py)
+# logs/<job>/stacks/ and stopped the job (launch/run/watchdog.py)
 STALLED = 4
 TIMEOUT = 124  # --timeout reached (as timeout(1) exits)
 

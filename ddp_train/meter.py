@@ -206,7 +206,7 @@ class StepLog:
         """The run's totals (call on rank 0): wall-clock tokens/s (from the loop's start to now, after the
         last step's numbers came back: the last evaluation included) beside the compute-only figure, and
         the time between them (eval, best.pt, checkpoints, debug delays). ddp-launch reads this line
-        (launch/progress.py parse_throughput)."""
+        (launch/run/progress.py parse_throughput)."""
         m = self.meter
         steps, tokens = m.total_steps, m.total_tokens
         wall, compute = time.perf_counter() - m.started, m.last_stamp - m.started_clock

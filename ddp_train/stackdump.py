@@ -1,4 +1,4 @@
-"""Stacks on demand for ddp-launch's stall watchdog, and its debug stall (ddp_train/launch/watchdog.py).
+"""Stacks on demand for ddp-launch's stall watchdog, and its debug stall (ddp_train/launch/run/watchdog.py).
 
 `install(rank)`: when DDP_STACK_DIR is set (the node agent sets it to its private 0700 directory, and
 only such a directory of this user's is used), SIGUSR1 makes this rank write the

@@ -5,7 +5,7 @@
     ddp-launch doctor --hosts INVENTORY [options]
     ddp-launch check-script [--sync DIR] [-m] SCRIPT                  (the script check alone)
     ddp-launch [run] --detach ...; ddp-launch jobs | status JOB | logs JOB [-f] [--node H] | attach JOB |
-    stop JOB                                                          (job control: launch/jobcmds.py)
+    stop JOB                                                          (job control: launch/jobs/jobcmds.py)
 
 The parser is launch/cliparse.py, the plan from its arguments launch/runargs.py, the launch itself
 launch/pipeline.py. Exit codes: ddp_train/exitcodes.py (`ddp-launch --help` shows the table).
@@ -24,7 +24,7 @@ from ddp_train import exitcodes
 from ddp_train.launch.errors import LaunchError, one_line
 
 if TYPE_CHECKING:  # the heavy modules load only when a command needs them
-    from ddp_train.launch.plan import JobPlan
+    from ddp_train.launch.plan.plan import JobPlan
 
 MONITOR_ARGS = "--monitor-args-file"  # what --detach starts: `cli --monitor-args-file FILE`
 COMMANDS = ("run", "doctor", "check-script", "jobs", "status", "logs", "attach", "stop")
@@ -49,7 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _own_write(exc: BaseException) -> bool:
     """Whether `exc` came from one of the launcher's own writes (its job directory, job.json, the
     monitor's files), not from something else that reads or writes, such as an unreadable --config."""
-    from ddp_train.launch import jobcmds, jobstate, logs
+    from ddp_train.launch.jobs import jobcmds, jobstate
+    from ddp_train.launch.run import logs
 
     writes = [jobstate.private_dir, jobstate.open_private, jobstate.write_private, jobstate.write_state]
     writes += [logs._append, jobcmds.detach]
@@ -64,7 +65,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == [MONITOR_ARGS]:  # a detached monitor: its arguments come in a 0600 file, not argv
-        from ddp_train.launch.jobcmds import read_monitor_args
+        from ddp_train.launch.jobs.jobcmds import read_monitor_args
 
         args = read_monitor_args(args[1])
     shown = list(args)
@@ -79,14 +80,14 @@ def _main(argv: Sequence[str] | None) -> int:
     if opts.command == "check-script":
         return _check_script_command(opts)
     if opts.command not in ("run", "doctor"):
-        from ddp_train.launch.jobcmds import main as job_command
+        from ddp_train.launch.jobs.jobcmds import main as job_command
 
         return job_command(opts)
     doctor = opts.command == "doctor"
     trainer_args = runargs.split_rest(opts)
     if not doctor and opts.detach and not opts.dry_run and not opts.monitor:
-        from ddp_train.launch.jobcmds import detach, without_detach
-        from ddp_train.launch.plan import check_job_id, new_job_id
+        from ddp_train.launch.jobs.jobcmds import detach, without_detach
+        from ddp_train.launch.plan.plan import check_job_id, new_job_id
 
         try:
             job_id = check_job_id(opts.job_id or new_job_id())
@@ -116,7 +117,7 @@ def _usage(message: str) -> int:
 
 def _check_script_command(opts: argparse.Namespace) -> int:
     """`ddp-launch check-script`: the findings, one line each; exit 0 when none, 2 otherwise."""
-    from ddp_train.launch.scriptcheck import check_script, module_file
+    from ddp_train.launch.plan.scriptcheck import check_script, module_file
 
     root = Path(opts.sync or ".").expanduser()
     if opts.sync and not root.is_dir():
@@ -142,8 +143,8 @@ def _check_script_command(opts: argparse.Namespace) -> int:
 
 
 def _dry_run(plan: JobPlan) -> int:
-    from ddp_train.launch.netif import dry_run_line
-    from ddp_train.launch.plan import command, shown_env
+    from ddp_train.launch.plan.plan import command, shown_env
+    from ddp_train.launch.preflight.netif import dry_run_line
 
     where = (f"MASTER_ADDR={plan.master_addr} MASTER_PORT={plan.master_port}" if plan.rdzv == "static"
              else f"c10d rendezvous at {plan.master_addr}:{plan.master_port}")  # fmt: skip
@@ -165,15 +166,15 @@ def _dry_run(plan: JobPlan) -> int:
 
 
 def _doctor(plan: JobPlan, opts: argparse.Namespace) -> int:
-    from ddp_train.launch import rdma
-    from ddp_train.launch.preflight import run_preflight
+    from ddp_train.launch.preflight import rdma
+    from ddp_train.launch.preflight.preflight import run_preflight
 
     report = run_preflight(plan, connect_timeout=opts.connect_timeout, net_timeout=opts.net_timeout)
     for s in report.sessions().values():
         s.close()
     print(f"MASTER_ADDR={plan.master_addr} MASTER_PORT={plan.master_port} nodes={len(plan.nodes)}")
     print(report.render())
-    from ddp_train.launch.gpuhealth import render as gpu_table
+    from ddp_train.launch.preflight.gpuhealth import render as gpu_table
 
     if gpus := gpu_table(report.checks):  # GPU nodes only; their problems are in the lines above
         print(gpus)

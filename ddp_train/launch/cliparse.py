@@ -30,8 +30,8 @@ EPILOG = (
 
 
 def build_parser() -> Parser:
-    """ddp-launch's parser: run, doctor, check-script and the job commands (launch/jobcmds.py)."""
-    from ddp_train.launch import jobcmds
+    """ddp-launch's parser: run, doctor, check-script and the job commands (launch/jobs/jobcmds.py)."""
+    from ddp_train.launch.jobs import jobcmds
 
     top = Parser(prog="ddp-launch", label="ddp-launch", hint="ddp-launch --help")
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")

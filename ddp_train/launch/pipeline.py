@@ -17,13 +17,13 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ddp_train import exitcodes
-from ddp_train.launch import jobstate
-from ddp_train.launch.logs import JobLog
-from ddp_train.launch.plan import JobPlan, NodePlan, command, mask_argv
-from ddp_train.launch.report import JobResult
+from ddp_train.launch.jobs import jobstate
+from ddp_train.launch.plan.plan import JobPlan, NodePlan, command, mask_argv
+from ddp_train.launch.run.logs import JobLog
+from ddp_train.launch.run.report import JobResult
 
 if TYPE_CHECKING:
-    from ddp_train.launch.scriptcheck import Finding
+    from ddp_train.launch.plan.scriptcheck import Finding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +71,7 @@ class Backend(Protocol):
 
 def launch(cfg: LaunchConfig, backend: Callable[[LaunchConfig, JobLog], Backend] | None = None) -> int:
     """Run the job in this process (foreground, or as the detached monitor), its state in job.json."""
-    from ddp_train.launch import metricsview
+    from ddp_train.launch.jobs import metricsview
 
     plan = cfg.plan
     if cfg.monitor:  # the detached monitor: no terminal, so no SIGHUP; and it ignores one besides
@@ -123,7 +123,7 @@ class SshBackend:
     """Every node over SSH (or a local process for a local node), through one SessionPool."""
 
     def __init__(self, cfg: LaunchConfig, log: JobLog) -> None:
-        from ddp_train.launch.sessionpool import SessionPool
+        from ddp_train.launch.remote.sessionpool import SessionPool
 
         self.cfg, self.log = cfg, log
         self.pool = SessionPool(cfg.connect_timeout)
@@ -137,8 +137,8 @@ class SshBackend:
         self.pool.close()
 
     def prepare(self, plan: JobPlan, on_plan: Callable[[JobPlan], None]) -> JobPlan:
-        from ddp_train.launch import netif, rdma
-        from ddp_train.launch.preflight import check_space, run_preflight
+        from ddp_train.launch.preflight import netif, rdma
+        from ddp_train.launch.preflight.preflight import check_space, run_preflight
 
         cfg, log = self.cfg, self.log
         if plan.sync and not self._sync(plan):
@@ -175,9 +175,9 @@ class SshBackend:
         return plan
 
     def run(self, plan: JobPlan, on_state: Callable[[str], None]) -> JobResult:
-        from ddp_train.launch.job import Job
-        from ddp_train.launch.trainerlog import StepTimes
-        from ddp_train.launch.watchdog import StallWatch
+        from ddp_train.launch.run.job import Job
+        from ddp_train.launch.run.trainerlog import StepTimes
+        from ddp_train.launch.run.watchdog import StallWatch
 
         cfg, times = self.cfg, StepTimes()
         job = Job(
@@ -194,8 +194,8 @@ class SshBackend:
         return job.run()
 
     def _ship_config(self, plan: JobPlan) -> bool:
-        from ddp_train.launch.fanout import parallel
-        from ddp_train.launch.remote import RemoteError
+        from ddp_train.launch.remote.fanout import parallel
+        from ddp_train.launch.remote.remote import RemoteError
 
         assert plan.config is not None
         config = plan.config
@@ -214,9 +214,9 @@ class SshBackend:
 
     def _sync(self, plan: JobPlan) -> bool:
         """Ship --sync to every remote node in parallel; one line per node. False if any node failed."""
-        from ddp_train.launch.fanout import parallel
-        from ddp_train.launch.remote import RemoteError
-        from ddp_train.launch.sync import SyncError, sync_node
+        from ddp_train.launch.remote.fanout import parallel
+        from ddp_train.launch.remote.remote import RemoteError
+        from ddp_train.launch.remote.sync import SyncError, sync_node
 
         assert plan.sync is not None
         manifest, cfg, log = plan.sync, self.cfg, self.log
@@ -257,7 +257,7 @@ def trainer_config(path: str | None, overrides: Sequence[str]) -> Any:
 
 def check_backend(plan: JobPlan, report: Any, log: JobLog) -> bool:
     """Finding 8, with preflight's GPU count of every node; False when --strict refuses to launch."""
-    from ddp_train.launch.scriptcheck import backend_findings
+    from ddp_train.launch.plan.scriptcheck import backend_findings
 
     if plan.script_check is None or not plan.script_check.backends:
         return True

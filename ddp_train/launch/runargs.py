@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 from ddp_train.launch.errors import LaunchError
 
 if TYPE_CHECKING:  # the heavy modules load only when a command needs them
-    from ddp_train.launch.inventory import Node
-    from ddp_train.launch.plan import JobPlan
-    from ddp_train.launch.scriptcheck import ScriptCheck
-    from ddp_train.launch.sync import Manifest
+    from ddp_train.launch.plan.inventory import Node
+    from ddp_train.launch.plan.plan import JobPlan
+    from ddp_train.launch.plan.scriptcheck import ScriptCheck
+    from ddp_train.launch.remote.sync import Manifest
 
 
 def split_rest(opts: argparse.Namespace) -> list[str]:
@@ -32,21 +32,21 @@ def split_rest(opts: argparse.Namespace) -> list[str]:
 
 def controller_limits(plan: JobPlan, opts: argparse.Namespace) -> None:
     """Open-file limit raised to the hard limit (LaunchError if the nodes still do not fit); --forks."""
-    from ddp_train.launch.fanout import ansible_forks, set_forks
-    from ddp_train.launch.limits import raise_nofile
+    from ddp_train.launch.remote.fanout import ansible_forks, set_forks
+    from ddp_train.launch.remote.limits import raise_nofile
 
     if opts.forks is not None and opts.forks < 1:
         raise LaunchError(f"--forks {opts.forks}: must be >= 1")
     raise_nofile(len(plan.nodes))
-    from ddp_train.launch.plan import same
+    from ddp_train.launch.plan.plan import same
 
     forks = opts.forks or same([p.node for p in plan.nodes], "ddp_forks", lambda n: n.forks)
     set_forks(forks or ansible_forks())
 
 
 def build(opts: argparse.Namespace, trainer_args: list[str], doctor: bool) -> JobPlan:
-    from ddp_train.launch.inventory import ENV_NAME, load_nodes
-    from ddp_train.launch.plan import Options, build_plan
+    from ddp_train.launch.plan.inventory import ENV_NAME, load_nodes
+    from ddp_train.launch.plan.plan import Options, build_plan
 
     env = {}
     for item in opts.env:
@@ -126,8 +126,8 @@ def build(opts: argparse.Namespace, trainer_args: list[str], doctor: bool) -> Jo
 
 def _scan(opts: argparse.Namespace, nodes: Sequence[Node]) -> Manifest | None:
     """--sync (or ddp_sync_dir) scanned, excluded and size-checked here, before any node is touched."""
-    from ddp_train.launch.plan import same
-    from ddp_train.launch.sync import parse_size, scan
+    from ddp_train.launch.plan.plan import same
+    from ddp_train.launch.remote.sync import parse_size, scan
 
     directory = opts.sync or (None if opts.no_sync else same(nodes, "ddp_sync_dir", lambda n: n.sync_dir))
     if not directory:
@@ -144,7 +144,7 @@ def _script(opts: argparse.Namespace, manifest: Manifest | None) -> tuple[str | 
     if opts.module:
         if manifest is None:
             return opts.script, None
-        from ddp_train.launch.scriptcheck import module_file
+        from ddp_train.launch.plan.scriptcheck import module_file
 
         hit = module_file(opts.script, manifest.entries.__contains__)
         return opts.script, str(Path(manifest.root, hit)) if hit else None
@@ -167,8 +167,8 @@ def _check_script(
 ) -> tuple[ScriptCheck | None, str]:
     """The script check, before any node is touched: (its result, the mode). --strict refuses here."""
     from ddp_train.launch.pipeline import refusal
-    from ddp_train.launch.plan import same
-    from ddp_train.launch.scriptcheck import check_script
+    from ddp_train.launch.plan.plan import same
+    from ddp_train.launch.plan.scriptcheck import check_script
 
     mode = "strict" if opts.strict else same(nodes, "ddp_script_check", lambda n: n.script_check)
     if mode == "off":
@@ -211,7 +211,7 @@ def _check_config(path: str | None, overrides: Sequence[str]) -> tuple[str | Non
 def _check_nproc(value: str | None) -> str | None:
     """--nproc-per-node as torchrun gets it: a positive integer, gpu, cpu or auto (the same rule as the
     inventory's ddp_nproc_per_node, inventory.nproc_value)."""
-    from ddp_train.launch.inventory import nproc_value
+    from ddp_train.launch.plan.inventory import nproc_value
 
     if value is None:
         return None

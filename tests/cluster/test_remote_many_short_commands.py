@@ -12,8 +12,8 @@ import concurrent.futures
 
 import pytest
 
-from ddp_train.launch.inventory import load_nodes
-from ddp_train.launch.remote import open_session
+from ddp_train.launch.plan.inventory import load_nodes
+from ddp_train.launch.remote.remote import open_session
 
 pytestmark = [pytest.mark.testbed]
 

@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from ddp_train.launch.cli import main as launch_main
-from ddp_train.launch.plan import PGID_MARKER
+from ddp_train.launch.plan.plan import PGID_MARKER
 from tests.cluster.test_launch_testbed import Launcher, assert_nothing_left, job_pids, launch
 from tests.reliability.support import finals, job_id, local_inventory, proc_env, stop, worker_pid
 from tests.testbed import Testbed

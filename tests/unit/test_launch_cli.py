@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ddp_train.launch.cli import main
-from ddp_train.launch.logs import JobLog, first_error
+from ddp_train.launch.run.logs import JobLog, first_error
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_INV = str(REPO / "inventory" / "local")
@@ -156,7 +156,8 @@ def test_only_the_launchers_own_writes_are_reported_as_a_failed_log_write(
     # review #7: an unreadable --config (EACCES anywhere in _main) read as "writing the job's logs failed"
     import errno
 
-    from ddp_train.launch import cli, jobstate
+    from ddp_train.launch import cli
+    from ddp_train.launch.jobs import jobstate
 
     def unreadable(_argv: object) -> int:
         raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "cfg.yaml"))

@@ -13,10 +13,10 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 import ddp_train.trainer as trainer
 from ddp_train import agent
 from ddp_train.exitcodes import NODE_FAILED, STALLED
-from ddp_train.launch.job import Job
-from ddp_train.launch.logs import JobLog, first_error
-from ddp_train.launch.plan import Options, build_plan
-from ddp_train.launch.report import Ending, summarize
+from ddp_train.launch.plan.plan import Options, build_plan
+from ddp_train.launch.run.job import Job
+from ddp_train.launch.run.logs import JobLog, first_error
+from ddp_train.launch.run.report import Ending, summarize
 from tests.unit.test_launch_plan import node
 
 # what rank 0 printed in the stall case of #32 (the trainer's traceback indented), then rank 1's

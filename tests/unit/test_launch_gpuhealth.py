@@ -1,5 +1,5 @@
 """GPU health before launch: the probe's collector over a fake nvidia-smi that replays recordings, and
-the verdict (launch/gpuhealth.py) over them: one failure line per bad GPU, warnings for the rest."""
+the verdict (launch/preflight/gpuhealth.py) over them: one failure line per bad GPU, warnings for the rest."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from ddp_train.launch import gpuhealth
 from ddp_train.launch.errors import LaunchError
-from ddp_train.launch.inventory import Node, SshTarget, load_nodes
 from ddp_train.launch.node import probe
-from ddp_train.launch.plan import Options, build_plan
-from ddp_train.launch.preflight_model import NodeCheck
+from ddp_train.launch.plan.inventory import Node, SshTarget, load_nodes
+from ddp_train.launch.plan.plan import Options, build_plan
+from ddp_train.launch.preflight import gpuhealth
+from ddp_train.launch.preflight.preflight_model import NodeCheck
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpu"
 LOGS = FIXTURES / "logs"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ddp_train.launch.errors import LaunchError
-from ddp_train.launch.inventory import DEFAULT_REMOTE_VENV, load_nodes, nproc_value, parse_ssh_args
+from ddp_train.launch.plan.inventory import DEFAULT_REMOTE_VENV, load_nodes, nproc_value, parse_ssh_args
 
 
 def write(path: Path, text: str) -> Path:

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from ddp_train.launch import jobstate
 from ddp_train.launch.cli import main
-from ddp_train.launch.logs import host_log_path
-from ddp_train.launch.progress import live_line, read_host_log
-from ddp_train.launch.trainerlog import StepTimes, parse_step
-from ddp_train.launch.watchdog import StallWatch, main_frames, odd_ranks, split_dumps
+from ddp_train.launch.jobs import jobstate
+from ddp_train.launch.run.logs import host_log_path
+from ddp_train.launch.run.progress import live_line, read_host_log
+from ddp_train.launch.run.trainerlog import StepTimes, parse_step
+from ddp_train.launch.run.watchdog import StallWatch, main_frames, odd_ranks, split_dumps
 
 STEP = "12:00:01 ddp-train[rank 0] INFO step 12/30 loss 1.2345 lr 0.001 1500 tok/s 0.250 s/step"
 
@@ -196,7 +196,7 @@ def test_a_heartbeat_keeps_the_agent_running(tmp_path: Path) -> None:
 
 
 def test_metrics_render_a_png_or_say_how_to_get_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ddp_train.launch import metricsview
+    from ddp_train.launch.jobs import metricsview
 
     records = [{"step": s, "loss": 2.0 / s, "tokens_per_s": 1000.0 + s} for s in range(1, 6)]
     (tmp_path / "metrics.jsonl").write_text(
@@ -262,7 +262,7 @@ def test_without_tensorboard_asked_nothing_of_it_is_imported(tmp_path: Path) -> 
 def test_on_a_tty_one_live_status_line_stays_under_the_scrolling_lines(tmp_path: Path) -> None:
     import io
 
-    from ddp_train.launch.logs import JobLog
+    from ddp_train.launch.run.logs import JobLog
 
     class Tty(io.StringIO):
         def isatty(self) -> bool:
@@ -290,7 +290,7 @@ def test_detach_returns_the_monitors_failure_when_it_wrote_its_end_before_exitin
 ) -> None:
     """The monitor writes state finished (exit 3: preflight failed) in a finally, then its interpreter
     takes a moment to exit: detach must wait for it and return 3, never say "runs detached" with 0."""
-    from ddp_train.launch import jobcmds
+    from ddp_train.launch.jobs import jobcmds
 
     class Monitor:  # the state is already written; poll() says still running until wait()
         pid = 4242
@@ -317,7 +317,7 @@ def test_detach_returns_the_monitors_failure_when_it_wrote_its_end_before_exitin
 
 
 def test_only_the_launchers_detach_is_dropped_for_the_monitor() -> None:
-    from ddp_train.launch.jobcmds import without_detach
+    from ddp_train.launch.jobs.jobcmds import without_detach
 
     assert without_detach(["--hosts", "inv", "--deta", "train.py", "--detach"]) == [
         "--hosts",
@@ -333,7 +333,7 @@ def test_metrics_come_from_rank_0_even_when_it_is_not_the_rendezvous_host() -> N
     """Under c10d torchrun ranks nodes by --local-addr, so rank 0 can be another node than plan.master."""
     from types import SimpleNamespace as NS
 
-    from ddp_train.launch.metricsview import metrics_location
+    from ddp_train.launch.jobs.metricsview import metrics_location
 
     gpu01 = NS(rank=1, cwd="/srv/w", node=NS(name="gpu01", local=False))
     gpu02 = NS(rank=0, cwd="/srv/w", node=NS(name="gpu02", local=False))

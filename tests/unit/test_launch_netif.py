@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from ddp_train.launch import netif
-from ddp_train.launch.netif import Choice, NetifError
 from ddp_train.launch.node import script
-from ddp_train.launch.plan import Options, build_plan
-from ddp_train.launch.preflight_model import NodeCheck
+from ddp_train.launch.plan.plan import Options, build_plan
+from ddp_train.launch.preflight import netif
+from ddp_train.launch.preflight.netif import Choice, NetifError
+from ddp_train.launch.preflight.preflight_model import NodeCheck
 from tests.unit.test_launch_plan import node
 
 DATA = Path(__file__).parent / "data" / "netif"

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddp_train.launch.errors import LaunchError
-from ddp_train.launch.inventory import Node, SshTarget
-from ddp_train.launch.plan import (
+from ddp_train.launch.plan.inventory import Node, SshTarget
+from ddp_train.launch.plan.plan import (
     PGID_MARKER,
     Options,
     build_plan,
@@ -217,8 +217,8 @@ def test_restarts_on_several_nodes_use_c10d_with_ip_local_addrs() -> None:
 
 def test_master_outside_the_training_network_is_refused():
     from ddp_train.launch.errors import LaunchError
-    from ddp_train.launch.inventory import Node
-    from ddp_train.launch.plan import master_address
+    from ddp_train.launch.plan.inventory import Node
+    from ddp_train.launch.plan.plan import master_address
 
     node = Node(
         name="gpu1",

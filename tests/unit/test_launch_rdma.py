@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from ddp_train.launch import rdma
-from ddp_train.launch.inventory import Node, SshTarget
 from ddp_train.launch.node import script
 from ddp_train.launch.node.probe import PROBE_MARK, rdma_ports
-from ddp_train.launch.plan import Options, build_plan, env_line
-from ddp_train.launch.preflight_model import NodeCheck
+from ddp_train.launch.plan.inventory import Node, SshTarget
+from ddp_train.launch.plan.plan import Options, build_plan, env_line
+from ddp_train.launch.preflight import rdma
+from ddp_train.launch.preflight.preflight_model import NodeCheck
 
 FIXTURES = Path(__file__).parent / "fixtures" / "rdma"
 
@@ -66,7 +66,7 @@ def test_unreadable_values_do_not_crash(tmp_path):
 
 def test_facts_cli_prints_one_json_line():
     res = subprocess.run(
-        [sys.executable, "-m", "ddp_train.launch.rdma", "facts", "--root", tree("ib_one_down")],
+        [sys.executable, "-m", "ddp_train.launch.preflight.rdma", "facts", "--root", tree("ib_one_down")],
         capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     facts = json.loads(res.stdout)
@@ -192,7 +192,7 @@ def test_no_nccl_lines_at_all():
 
 def test_nccl_log_cli_reads_stdin():
     res = subprocess.run(
-        [sys.executable, "-m", "ddp_train.launch.rdma", "nccl-log"],
+        [sys.executable, "-m", "ddp_train.launch.preflight.rdma", "nccl-log"],
         input=(FIXTURES / "nccl_socket.log").read_text(),
         capture_output=True,
         text=True,

@@ -15,7 +15,7 @@ import paramiko
 import paramiko.buffered_pipe as buffered_pipe
 import pytest
 
-from ddp_train.launch.remote import LOST, _SshStream
+from ddp_train.launch.remote.remote import LOST, _SshStream
 
 ANSWER = b'first line\nDDP-PROBE {"python": "3.11.2"}\nlast, no newline'
 EXPECTED = ["first line", 'DDP-PROBE {"python": "3.11.2"}', "last, no newline"]

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from ddp_train.launch import fanout, limits, node, preflight
+from ddp_train.launch import node
 from ddp_train.launch.errors import LaunchError
+from ddp_train.launch.preflight import preflight
+from ddp_train.launch.remote import fanout, limits
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,7 +51,7 @@ def test_default_forks_come_from_ansible_cfg_else_ansibles_default(
     tmp_path: Path, cfg: str, want: int
 ) -> None:
     (tmp_path / "ansible.cfg").write_text(cfg)
-    code = "from ddp_train.launch.fanout import ansible_forks; print(ansible_forks())"
+    code = "from ddp_train.launch.remote.fanout import ansible_forks; print(ansible_forks())"
     env = {**os.environ, "ANSIBLE_CONFIG": str(tmp_path / "ansible.cfg")}
     env.pop("ANSIBLE_FORKS", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -185,7 +187,7 @@ def test_gc_thresh3_below_four_per_node_warns_with_the_sysctl_and_role() -> None
 
 
 def test_ddp_forks_is_read_from_the_inventory_and_checked() -> None:
-    from ddp_train.launch.inventory import load_nodes
+    from ddp_train.launch.plan.inventory import load_nodes
 
     local = str(REPO / "inventory" / "local")
     assert {n.forks for n in load_nodes([local], extra_vars=["ddp_forks=3"])} == {3}

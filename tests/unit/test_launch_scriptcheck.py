@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from ddp_train.launch.cli import main
-from ddp_train.launch.logs import JobLog
 from ddp_train.launch.pipeline import check_backend
-from ddp_train.launch.scriptcheck import CODES, ScriptCheck, backend_findings, check_script, module_file
+from ddp_train.launch.plan.scriptcheck import CODES, ScriptCheck, backend_findings, check_script, module_file
+from ddp_train.launch.run.logs import JobLog
 from tests.testbed import free_port
 
 REPO = Path(__file__).resolve().parents[2]

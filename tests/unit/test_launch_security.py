@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddp_train.launch import jobcmds, jobstate
 from ddp_train.launch.cli import main
+from ddp_train.launch.jobs import jobcmds, jobstate
 from tests.unit.test_launch_plan import fake_venv
 
 SECRET_ENV = {
@@ -170,8 +170,8 @@ def test_detach_refuses_a_job_id_that_is_a_path_before_writing_anything(
 def test_stack_files_stay_in_the_stacks_directory_whatever_the_host_name(tmp_path: Path, name: str) -> None:
     from types import SimpleNamespace
 
-    from ddp_train.launch.trainerlog import StepTimes
-    from ddp_train.launch.watchdog import StallWatch
+    from ddp_train.launch.run.trainerlog import StepTimes
+    from ddp_train.launch.run.watchdog import StallWatch
 
     job_dir = tmp_path / "logs" / "j"
     job_dir.mkdir(parents=True)
@@ -240,7 +240,7 @@ def as_user(user: str, *argv: str) -> list[str]:
 
 
 def signal_node(sig: str, pgid: str, job: str, scope: str = "all") -> str:
-    from ddp_train.launch.nodecontrol import SIGNAL_SCRIPT
+    from ddp_train.launch.run.nodecontrol import SIGNAL_SCRIPT
 
     res = subprocess.run(["sh", "-c", SIGNAL_SCRIPT, "ddp-launch", sig, pgid, job, scope],
                          capture_output=True, text=True, timeout=30)  # fmt: skip
@@ -281,7 +281,7 @@ def test_teardown_spares_another_session_and_another_users_process_with_the_job_
      ("DDP-LAUNCH-PGID -7", None), ("DDP-LAUNCH-PGID 12 x", None), ("DDP-LAUNCH-PGID abc", None)],
 )  # fmt: skip
 def test_a_pgid_line_that_would_signal_every_process_is_refused(line: str, pgid: int | None) -> None:
-    from ddp_train.launch.noderun import parse_pgid
+    from ddp_train.launch.run.noderun import parse_pgid
 
     assert parse_pgid(line) == pgid
 
@@ -289,7 +289,7 @@ def test_a_pgid_line_that_would_signal_every_process_is_refused(line: str, pgid:
 def test_teardown_never_signals_process_group_1(tmp_path: Path) -> None:
     """`kill -- -1` signals every process of the user: a PGID 1 given to the node script does nothing
     (run as an unprivileged kill would be, the script's own check is what keeps it from happening)."""
-    from ddp_train.launch.nodecontrol import SIGNAL_SCRIPT
+    from ddp_train.launch.run.nodecontrol import SIGNAL_SCRIPT
 
     shim = tmp_path / "bin"
     shim.mkdir()
@@ -311,8 +311,8 @@ def test_a_jump_host_from_ssh_config_gets_known_hosts_and_reject_policy(
     import paramiko
     from fabric import Connection
 
-    from ddp_train.launch.inventory import SshTarget
-    from ddp_train.launch.remote import _connection
+    from ddp_train.launch.plan.inventory import SshTarget
+    from ddp_train.launch.remote.remote import _connection
 
     ssh = tmp_path / ".ssh"
     ssh.mkdir()

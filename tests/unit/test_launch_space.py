@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from ddp_train.config import load_config
-from ddp_train.launch.plan import Options, build_plan
-from ddp_train.launch.preflight import NodeCheck, checkpoint_bytes
+from ddp_train.launch.plan.plan import Options, build_plan
+from ddp_train.launch.preflight.preflight import NodeCheck, checkpoint_bytes
 from tests.integration.test_failures_disk import tmpfs
 from tests.unit.test_launch_plan import node
 
@@ -24,7 +24,7 @@ class LocalSession:
 
 
 def check(tmp_path: Path, run_dir: Path, strict: bool) -> NodeCheck:
-    from ddp_train.launch.preflight import check_space  # new in #32
+    from ddp_train.launch.preflight.preflight import check_space  # new in #32
 
     plan = build_plan([node("n0", "10.0.0.1", venv=sys.prefix)], Options(job_id="j"))
     c = NodeCheck(plan.nodes[0], session=LocalSession(), facts={"python": "3"})  # type: ignore[arg-type]

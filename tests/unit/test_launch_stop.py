@@ -10,9 +10,9 @@ import pytest
 
 from ddp_train import agent
 from ddp_train.distributed import flight_recorder_env
-from ddp_train.launch.job import STOP_GRACE_MIN_S, Job
-from ddp_train.launch.logs import JobLog
-from ddp_train.launch.plan import STOP_GRACE_MAX_S, Options, build_plan
+from ddp_train.launch.plan.plan import STOP_GRACE_MAX_S, Options, build_plan
+from ddp_train.launch.run.job import STOP_GRACE_MIN_S, Job
+from ddp_train.launch.run.logs import JobLog
 from tests.unit.test_launch_plan import node
 
 
@@ -67,8 +67,8 @@ def test_flight_recorder_defaults_under_the_run_dir_unless_the_user_set_them() -
 
 
 def test_a_node_runs_state_is_one_enum_that_status_reads(tmp_path: Path) -> None:
-    from ddp_train.launch.noderun import NodeState
-    from ddp_train.launch.remote import LOST
+    from ddp_train.launch.remote.remote import LOST
+    from ddp_train.launch.run.noderun import NodeState
 
     r = job(tmp_path).runs[0]
     assert (r.state, r.status(), r.failed) == (NodeState.PENDING, "unknown (still running?)", False)
@@ -86,7 +86,7 @@ def test_a_node_runs_state_is_one_enum_that_status_reads(tmp_path: Path) -> None
 def test_the_session_pool_closes_every_connection_it_opened_or_adopted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from ddp_train.launch import sessionpool
+    from ddp_train.launch.remote import sessionpool
 
     class Fake:
         def __init__(self, name: str) -> None:
@@ -117,7 +117,7 @@ def test_the_signal_trap_counts_and_restores_the_previous_handler() -> None:
     import os
     import signal as sig
 
-    from ddp_train.launch.sigtrap import SignalTrap
+    from ddp_train.launch.run.sigtrap import SignalTrap
 
     before = sig.getsignal(sig.SIGUSR2)
     with SignalTrap([sig.SIGUSR2]) as trap:
@@ -128,9 +128,9 @@ def test_the_signal_trap_counts_and_restores_the_previous_handler() -> None:
 
 
 def test_the_node_scripts_are_package_files() -> None:
-    from ddp_train.launch import nodecontrol
+    from ddp_train.launch.run import nodecontrol
 
-    root = Path(nodecontrol.__file__).parent / "node"
+    root = Path(nodecontrol.__file__).parents[1] / "node"
     assert (root / "signal.sh").read_text() == nodecontrol.SIGNAL_SCRIPT
     assert (root / "stack.sh").read_text() == nodecontrol.STACK_SCRIPT
     assert '"launch/node/*.sh"' in (Path(__file__).parents[2] / "pyproject.toml").read_text()

@@ -13,11 +13,11 @@ import pytest
 
 from ddp_train.launch.cli import main
 from ddp_train.launch.errors import LaunchError
-from ddp_train.launch.inventory import Node, SshTarget
 from ddp_train.launch.node import command
-from ddp_train.launch.plan import NodePlan, Options, build_plan
-from ddp_train.launch.remote import LocalSession
-from ddp_train.launch.sync import (
+from ddp_train.launch.plan.inventory import Node, SshTarget
+from ddp_train.launch.plan.plan import NodePlan, Options, build_plan
+from ddp_train.launch.remote.remote import LocalSession
+from ddp_train.launch.remote.sync import (
     MANIFEST_NAME,
     SyncError,
     remote_dir,

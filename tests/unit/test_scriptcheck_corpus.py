@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ddp_train.launch.scriptcheck import CODES, ScriptCheck, check_script
+from ddp_train.launch.plan.scriptcheck import CODES, ScriptCheck, check_script
 
 CORPUS = Path(__file__).resolve().parents[1] / "scriptcheck" / "corpus"
 EXPECT = re.compile(r"^# expect: (?:none|(?P<code>[a-z-]+) (?:(?P<file>[\w/.-]+):)?(?P<line>\d+))$")

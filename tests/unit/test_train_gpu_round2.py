@@ -364,7 +364,7 @@ def test_compile_threads_are_the_node_cores_shared_by_its_ranks(monkeypatch):
 
 
 def test_the_launchers_job_summary_parses_the_trainers_throughput_line(tmp_path, capsys):
-    from ddp_train.launch.trainerlog import parse_throughput
+    from ddp_train.launch.run.trainerlog import parse_throughput
 
     code, _ = train(tmp_path, "train.max_steps=4", "eval.interval_steps=2", "debug.step_delay_s=0.1")
     captured = capsys.readouterr()

@@ -1,5 +1,5 @@
 # Signals one node's processes (run as `sh -c "$(cat signal.sh)" ddp-launch SIG PGID JOB_ID SCOPE`;
-# launch/nodecontrol.py). Scope "all": its process group, then any process of this job (DDP_JOB_ID in
+# launch/run/nodecontrol.py). Scope "all": its process group, then any process of this job (DDP_JOB_ID in
 # its environment) in this host's network namespace that left the group; scope "leader": only the group
 # leader (the agent running torchrun, which passes the signal on to its workers once). SIG "-" only
 # lists them. Only this user's processes (another user's may carry the same variable), and the group

@@ -1,4 +1,4 @@
-# Runs on a node (`sh -c "$(cat stack.sh)" ddp-stacks JOB_ID NODE_RANK`; launch/watchdog.py): list the
+# Runs on a node (`sh -c "$(cat stack.sh)" ddp-stacks JOB_ID NODE_RANK`; launch/run/watchdog.py): list the
 # job's workers of this node (RANK in their environment, GROUP_RANK = the node rank: local nodes share
 # one /proc) in this network namespace, owned by this user, SIGUSR1 each one whose SigCgt mask says it
 # handles it (bit 9: SIGUSR1 = 10; an unhandled SIGUSR1 would kill the process), py-spy where

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ddp_train.launch.errors import one_line
-from ddp_train.launch.inventory import Node, SshTarget
+from ddp_train.launch.plan.inventory import Node, SshTarget
 
 if TYPE_CHECKING:  # paramiko/fabric load on first connection, not for --dry-run
     import paramiko

@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ddp_train.launch.jobstate import PRIVATE_FILE, write_private
+from ddp_train.launch.jobs.jobstate import PRIVATE_FILE, write_private
 
 FETCH_EVERY_S = 30.0
 PLOT_HINT = "pip install 'ddp-train[plot]' (or: pip install matplotlib)"
@@ -76,7 +76,7 @@ class Fetcher:
                     return False
                 write_private(self.dest, src.read_bytes())
                 return True
-            from ddp_train.launch.remote import open_session
+            from ddp_train.launch.remote.remote import open_session
 
             if self.session is None or not self.session.alive():
                 self.session = open_session(self.node, self.connect_timeout)
@@ -101,7 +101,7 @@ def start(plan: Any, config: str | None, overrides: Any, job_dir: Path, connect_
     where = metrics_location(plan, config, overrides)
     if where is None:
         return None
-    from ddp_train.launch import jobstate
+    from ddp_train.launch.jobs import jobstate
 
     jobstate.update_state(job_dir / jobstate.STATE_FILE, metrics=where)
     fetcher = Fetcher(where, rank0(plan).node, job_dir / "metrics.jsonl", connect_timeout)

@@ -10,8 +10,8 @@ import threading
 from collections.abc import Iterable
 from types import TracebackType
 
-from ddp_train.launch.inventory import Node
-from ddp_train.launch.remote import Session, open_session
+from ddp_train.launch.plan.inventory import Node
+from ddp_train.launch.remote.remote import Session, open_session
 
 
 class SessionPool:

@@ -22,9 +22,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ddp_train.launch.errors import LaunchError
-from ddp_train.launch.inventory import Node
-from ddp_train.launch.scriptcheck import ScriptCheck
-from ddp_train.launch.sync import Manifest, remote_dir
+from ddp_train.launch.plan.inventory import Node
+from ddp_train.launch.plan.scriptcheck import ScriptCheck
+from ddp_train.launch.remote.sync import Manifest, remote_dir
 
 PGID_MARKER = "DDP-LAUNCH-PGID"
 # A value is secret when its name looks like one, when it holds a URL with a password (user:pass@host),

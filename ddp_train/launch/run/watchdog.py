@@ -1,6 +1,6 @@
 """The stall watchdog: no step for --stall-timeout seconds -> every rank's stack, the odd ranks named.
 
-The launcher already reads every node's lines; rank 0's step lines (launch/trainerlog.py) are the job's
+The launcher already reads every node's lines; rank 0's step lines (launch/run/trainerlog.py) are the job's
 progress, since DDP keeps every rank at the same step. The watchdog arms at the first step line. Its
 timeout is --stall-timeout, else STALL_FACTOR x the longest gap seen between two step lines plus the
 longest checkpoint save, at least STALL_FLOOR_S (a save or an evaluation must not look like a stall).
@@ -24,11 +24,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ddp_train.launch.jobstate import private_dir, write_private
-from ddp_train.launch.logs import safe_name
-from ddp_train.launch.nodecontrol import stack_command
-from ddp_train.launch.progress import duration
-from ddp_train.launch.trainerlog import Step, StepTimes
+from ddp_train.launch.jobs.jobstate import private_dir, write_private
+from ddp_train.launch.run.logs import safe_name
+from ddp_train.launch.run.nodecontrol import stack_command
+from ddp_train.launch.run.progress import duration
+from ddp_train.launch.run.trainerlog import Step, StepTimes
 
 STALL_FLOOR_S = 300.0
 STALL_FACTOR = 10.0
@@ -55,7 +55,7 @@ class StallWatch:
         return max(STALL_FLOOR_S, STALL_FACTOR * self.longest_gap + self.times.longest_save)
 
     def feed(self, step: Step) -> None:
-        """A step line of any rank (launch/trainerlog.py)."""
+        """A step line of any rank (launch/run/trainerlog.py)."""
         now = time.monotonic()
         if self.last_step is None or step.step > self.last_step:
             if self.last_at is not None:
@@ -76,7 +76,7 @@ class StallWatch:
 
     def collect(self, nodes: Sequence[tuple[Any, Callable[[str], tuple[int, str]]]]) -> str:
         """Fetch, save and compare every rank's stack; one line naming the odd ranks."""
-        from ddp_train.launch.fanout import parallel
+        from ddp_train.launch.remote.fanout import parallel
 
         def one(item: tuple[Any, Callable[[str], tuple[int, str]]]) -> str:
             plan, run = item

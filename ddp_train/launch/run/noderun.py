@@ -9,8 +9,8 @@ import time
 from collections.abc import Callable
 
 from ddp_train.launch.errors import one_line
-from ddp_train.launch.plan import PGID_MARKER, NodePlan, command
-from ddp_train.launch.remote import LOST, RemoteError, Session, Stream, open_session
+from ddp_train.launch.plan.plan import PGID_MARKER, NodePlan, command
+from ddp_train.launch.remote.remote import LOST, RemoteError, Session, Stream, open_session
 
 
 def parse_pgid(line: str) -> int | None:
@@ -123,7 +123,7 @@ class NodeRun:
             self.stream = self.session.start(command(self.plan), stdin=True)
             self.started, self.state = True, NodeState.RUNNING
             # The environment never appears in a command line. Stdin then stays open: the lifeline
-            # (launch/lifeline.py), whose EOF or silence makes the node stop itself.
+            # (launch/run/lifeline.py), whose EOF or silence makes the node stop itself.
             self.stream.send(env())
             self.env_sent = True  # not before: a lifeline beat ahead of it would be read as the environment
             on_start()

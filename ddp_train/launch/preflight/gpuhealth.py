@@ -27,7 +27,7 @@ from ddp_train.launch.node.probe import GPU_MARK as MARK
 from ddp_train.launch.node.probe import REMAP_FIELDS
 
 if TYPE_CHECKING:
-    from ddp_train.launch.preflight_model import NodeCheck
+    from ddp_train.launch.preflight.preflight_model import NodeCheck
 
 NOT_AVAILABLE = ("", "n/a", "[n/a]", "not supported", "[not supported]")
 NO_DRIVER = "couldn't communicate with the NVIDIA driver"
@@ -422,7 +422,7 @@ def check(c: NodeCheck) -> None:
 
 def render(checks: Sequence[NodeCheck]) -> str | None:
     """Doctor: one row per GPU node (None when no node has an NVIDIA GPU)."""
-    from ddp_train.launch.logs import table
+    from ddp_train.launch.run.logs import table
 
     rows = []
     for c in checks:

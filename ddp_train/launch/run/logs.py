@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from ddp_train.launch.jobstate import open_private, private_dir, write_private
-from ddp_train.launch.plan import mask_text
+from ddp_train.launch.jobs.jobstate import open_private, private_dir, write_private
+from ddp_train.launch.plan.plan import mask_text
 
 # Lines that tell why a node failed, best first: the trainer's one-line error, a signal that killed a
 # worker (torchrun's root cause), an exception or error message (not one inside an indented traceback),

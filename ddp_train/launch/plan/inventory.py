@@ -77,7 +77,7 @@ class Node:
     sync_dir: str | None = None  # ddp_sync_dir: the default of --sync
     sync_exclude: tuple[str, ...] = ()  # ddp_sync_exclude: gitignore-style patterns
     script_check: str = "warn"  # ddp_script_check: strict | warn | off
-    gpu_health: str = "strict"  # ddp_gpu_health: strict | warn | off (launch/gpuhealth.py)
+    gpu_health: str = "strict"  # ddp_gpu_health: strict | warn | off (launch/preflight/gpuhealth.py)
     gpu_health_dcgm: bool = False  # ddp_gpu_health_dcgm: also run `dcgmi diag -r 1`
     forks: int | None = None  # ddp_forks: the default of --forks
 

@@ -5,7 +5,7 @@ time and the boot id: a pid reused by another process is never taken for it), it
 (starting, running, stopping, then finished with an exit code), the nodes (host, rank, address), the
 master address and port, the start time, the working directory and the command. A job whose state is
 not final while its pid is gone is reported "lost" (the monitor was killed; the nodes stop themselves,
-see launch/lifeline.py). Two jobs on the same node and port are refused by `conflict`.
+see launch/run/lifeline.py). Two jobs on the same node and port are refused by `conflict`.
 """
 
 from __future__ import annotations

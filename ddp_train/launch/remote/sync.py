@@ -25,13 +25,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ddp_train.launch.errors import LaunchError, one_line
-from ddp_train.launch.inventory import Node, SshTarget
 from ddp_train.launch.node import command, marked_json, tree
 from ddp_train.launch.node.sync import DONE_MARK, INSPECT_MARK
+from ddp_train.launch.plan.inventory import Node, SshTarget
 from ddp_train.storage import size_text
 
 if TYPE_CHECKING:
-    from ddp_train.launch.remote import Session
+    from ddp_train.launch.remote.remote import Session
 
 SYNC_DIR = ".ddp-launch/sync"  # under the node's ddp_workdir
 DEFAULT_MAX_BYTES = 1 << 30
@@ -223,7 +223,7 @@ def remote_dir(node: Node, manifest: Manifest) -> str:
 
 def ssh_command(target: SshTarget, connect_timeout: float) -> list[str]:
     """The OpenSSH command line with the launcher's settings: same user, port, keys, known_hosts."""
-    from ddp_train.launch.remote import known_hosts_files
+    from ddp_train.launch.remote.remote import known_hosts_files
 
     known = " ".join(f'"{f}"' if " " in f else f for f in known_hosts_files(target))
     argv = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
@@ -246,7 +246,7 @@ def sync_node(
     session: Session, node: Node, manifest: Manifest, via: str = "auto", connect_timeout: float = 10
 ) -> SyncResult:
     """Bring `manifest` to one remote node; SyncError with one line if it cannot."""
-    from ddp_train.launch.remote import RemoteError
+    from ddp_train.launch.remote.remote import RemoteError
 
     where = remote_dir(node, manifest)
     base = where.rsplit("/", 1)[0]

@@ -4,8 +4,8 @@ Ports are read from /sys/class/infiniband/<hca>/ports/<n>/{state,link_layer,rate
 Documentation/ABI/stable/sysfs-class-infiniband) under a root path, so tests use recorded trees. The
 same reader (node/probe.py `rdma_ports`) runs inside preflight's probe on every node and here (`read_ports`).
 
-    python -m ddp_train.launch.rdma facts [--root /]       # one JSON line: the ports, active ones, rates
-    python -m ddp_train.launch.rdma nccl-log < out.txt     # one JSON line: NCCL's transport, GPUDirect
+    python -m ddp_train.launch.preflight.rdma facts [--root /]    # one JSON line: ports, active ones, rates
+    python -m ddp_train.launch.preflight.rdma nccl-log < out.txt  # one JSON line: NCCL's transport, GPUDirect
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 from ddp_train.launch.node.probe import rdma_ports
 
 if TYPE_CHECKING:
-    from ddp_train.launch.plan import JobPlan
-    from ddp_train.launch.preflight_model import NodeCheck
+    from ddp_train.launch.plan.plan import JobPlan
+    from ddp_train.launch.preflight.preflight_model import NodeCheck
 
 ENV = "NCCL_IB_HCA"
 DISABLE_ENV = "NCCL_IB_DISABLE"
@@ -203,7 +203,9 @@ def parse_nccl_log(text: str) -> dict[str, Any]:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ddp_train.launch.rdma", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m ddp_train.launch.preflight.rdma", description=__doc__.splitlines()[0]
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     facts = sub.add_parser("facts", help="this node's RDMA ports from sysfs, as one JSON line")
     facts.add_argument("--root", default="/", help="where sysfs is mounted below [/]")

@@ -7,9 +7,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ddp_train.launch.logs import table
-from ddp_train.launch.plan import NodePlan
-from ddp_train.launch.remote import Session
+from ddp_train.launch.plan.plan import NodePlan
+from ddp_train.launch.remote.remote import Session
+from ddp_train.launch.run.logs import table
 
 
 @dataclasses.dataclass

@@ -23,13 +23,13 @@ import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ddp_train.launch.inventory import Node
 from ddp_train.launch.node import marked_json
 from ddp_train.launch.node.probe import NETIF_MARK as MARK
-from ddp_train.launch.plan import JobPlan, NodePlan
+from ddp_train.launch.plan.inventory import Node
+from ddp_train.launch.plan.plan import JobPlan, NodePlan
 
 if TYPE_CHECKING:
-    from ddp_train.launch.preflight_model import NodeCheck
+    from ddp_train.launch.preflight.preflight_model import NodeCheck
 
 ENV_KEYS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 

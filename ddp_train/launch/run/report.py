@@ -8,10 +8,10 @@ from collections.abc import Sequence
 
 from ddp_train import exitcodes
 from ddp_train.launch.errors import one_line
-from ddp_train.launch.logs import JobLog, first_error, table
-from ddp_train.launch.noderun import NodeRun
-from ddp_train.launch.plan import JobPlan
-from ddp_train.launch.trainerlog import parse_stopped, parse_throughput
+from ddp_train.launch.plan.plan import JobPlan
+from ddp_train.launch.run.logs import JobLog, first_error, table
+from ddp_train.launch.run.noderun import NodeRun
+from ddp_train.launch.run.trainerlog import parse_stopped, parse_throughput
 
 # A node whose error only says a peer went away is a victim, not the cause.
 PEER_FAILURE = re.compile(

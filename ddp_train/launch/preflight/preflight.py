@@ -18,14 +18,14 @@ import secrets
 import socket
 from typing import Any
 
-from ddp_train.launch import gpuhealth, netif, rdma
 from ddp_train.launch.errors import LaunchError, one_line
-from ddp_train.launch.fanout import parallel, rounds
 from ddp_train.launch.node import command, env_line, marked_json
 from ddp_train.launch.node.probe import PROBE_MARK
-from ddp_train.launch.plan import JobPlan, NodePlan, resolve
-from ddp_train.launch.preflight_model import NodeCheck, Report
-from ddp_train.launch.remote import RemoteError, Stream, open_session
+from ddp_train.launch.plan.plan import JobPlan, NodePlan, resolve
+from ddp_train.launch.preflight import gpuhealth, netif, rdma
+from ddp_train.launch.preflight.preflight_model import NodeCheck, Report
+from ddp_train.launch.remote.fanout import parallel, rounds
+from ddp_train.launch.remote.remote import RemoteError, Stream, open_session
 from ddp_train.storage import size_text
 
 COMPARED = ("python_minor", "torch", "cuda", "nccl", "gpus", "ddp_train")  # must be equal on every node

@@ -1,4 +1,4 @@
-"""Training progress from the trainer's step lines (launch/trainerlog.py): `status` and the live line."""
+"""Training progress from the trainer's step lines (launch/run/trainerlog.py): `status` and the live line."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 import time
 from pathlib import Path
 
-from ddp_train.launch.trainerlog import Step, parse_step
+from ddp_train.launch.run.trainerlog import Step, parse_step
 
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)? ")  # logs.py _stamp
 

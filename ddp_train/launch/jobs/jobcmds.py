@@ -5,7 +5,7 @@ launch as a foreground run, in a new session (setsid: no controlling terminal, s
 sends it no SIGHUP, and it ignores SIGHUP besides), stdin from /dev/null, stdout and stderr to
 logs/<job>/console.log (what a foreground run prints). `--detach` shows that file until the job runs on
 every node (or the monitor gives up: preflight failed, ...) and returns. The job's state is in
-logs/<job>/job.json (launch/jobstate.py); `stop` sends the monitor SIGTERM, the graceful stop of a
+logs/<job>/job.json (launch/jobs/jobstate.py); `stop` sends the monitor SIGTERM, the graceful stop of a
 foreground Ctrl-C/SIGTERM (every rank finishes its step, rank 0 saves).
 """
 
@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import IO, Any
 
 from ddp_train import exitcodes
-from ddp_train.launch import jobstate
-from ddp_train.launch.logs import host_log_path, table
-from ddp_train.launch.plan import JOB_ID
-from ddp_train.launch.progress import duration, read_host_log
+from ddp_train.launch.jobs import jobstate
+from ddp_train.launch.plan.plan import JOB_ID
+from ddp_train.launch.run.logs import host_log_path, table
+from ddp_train.launch.run.progress import duration, read_host_log
 
 POLL_S = 0.3
 
@@ -253,7 +253,7 @@ def _status(job_dir: Path, data: dict[str, Any]) -> int:
         ])  # fmt: skip
     print(table(["HOST", "RANK", "STEP", "LOSS", "TOK/S", "ETA", "LAST OUTPUT"], rows))
     print("(step, loss, tok/s: rank 0's latest step line; every rank is at the same step under DDP)")
-    from ddp_train.launch.metricsview import refresh
+    from ddp_train.launch.jobs.metricsview import refresh
 
     for line in refresh(job_dir, data):
         print(line)

@@ -1,6 +1,6 @@
 """Remote control of a running job: the signal script, send/kill, the leftover-process scan.
 
-Every command goes through the node's control connection (launch/sessionpool.py), never the one that
+Every command goes through the node's control connection (launch/remote/sessionpool.py), never the one that
 runs the job. The shell snippets run on the nodes are files of this package (launch/node/*.sh), passed
 to `sh -c` with their arguments.
 """
@@ -12,10 +12,10 @@ import shlex
 import time
 from collections.abc import Callable, Sequence
 
-from ddp_train.launch.fanout import parallel
-from ddp_train.launch.noderun import NodeRun
-from ddp_train.launch.remote import RemoteError
-from ddp_train.launch.sessionpool import SessionPool
+from ddp_train.launch.remote.fanout import parallel
+from ddp_train.launch.remote.remote import RemoteError
+from ddp_train.launch.remote.sessionpool import SessionPool
+from ddp_train.launch.run.noderun import NodeRun
 
 
 def node_script(name: str) -> str:

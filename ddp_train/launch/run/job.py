@@ -1,8 +1,8 @@
 """Run a planned job: start every node at once, stream logs, fail fast, tear down, verify, summarize.
 
-This is the policy; the mechanism is elsewhere: each node's run (launch/noderun.py: one thread per node
-holds that node's run connection), the signals and the leftover scan (launch/nodecontrol.py, through
-a second connection per node), the report (launch/report.py). The launcher either
+This is the policy; the mechanism is elsewhere: each node's run (launch/run/noderun.py: one thread per node
+holds that node's run connection), the signals and the leftover scan (launch/run/nodecontrol.py, through
+a second connection per node), the report (launch/run/report.py). The launcher either
 - stops the job (Ctrl-C, SIGTERM, --timeout): one signal to each node's torchrun agent only, which
   passes it once to its workers; every rank finishes its step, rank 0 saves, every node exits
   128 + signal. KILL only after a grace period sized from the measured save time, or at a second
@@ -22,14 +22,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ddp_train import exitcodes
-from ddp_train.launch.fanout import parallel
-from ddp_train.launch.lifeline import Lifeline, node_env_line
-from ddp_train.launch.logs import JobLog, first_error
-from ddp_train.launch.nodecontrol import NodeControl
-from ddp_train.launch.noderun import NodeRun
-from ddp_train.launch.plan import STOP_GRACE_MAX_S, JobPlan, command, env_line, shown_env
-from ddp_train.launch.progress import live_line
-from ddp_train.launch.report import (
+from ddp_train.launch.plan.plan import STOP_GRACE_MAX_S, JobPlan, command, env_line, shown_env
+from ddp_train.launch.remote.fanout import parallel
+from ddp_train.launch.remote.sessionpool import SessionPool
+from ddp_train.launch.run.lifeline import Lifeline, node_env_line
+from ddp_train.launch.run.logs import JobLog, first_error
+from ddp_train.launch.run.nodecontrol import NodeControl
+from ddp_train.launch.run.noderun import NodeRun
+from ddp_train.launch.run.progress import live_line
+from ddp_train.launch.run.report import (
     OUR_SIGNAL,
     PEER_FAILURE,
     Ending,
@@ -38,9 +39,8 @@ from ddp_train.launch.report import (
     stop_outcome,
     summarize,
 )
-from ddp_train.launch.sessionpool import SessionPool
-from ddp_train.launch.sigtrap import SignalTrap
-from ddp_train.launch.trainerlog import StepTimes
+from ddp_train.launch.run.sigtrap import SignalTrap
+from ddp_train.launch.run.trainerlog import StepTimes
 
 ROOT_CAUSE_WINDOW_S = 2.0  # failures this close to the first one may be its cause reported a bit later
 FAILURE_GRACE_S = 10.0  # teardown after a failure: TERM -> KILL (peers stuck in a collective never save)
@@ -68,9 +68,9 @@ class Job:
         self.own_pool = pool is None  # a pool it made, it closes
         self.pool = pool or SessionPool()
         self.control = NodeControl(plan.job_id, self.pool, log.note)
-        self.on_state = on_state or (lambda _state: None)  # job.json (launch/jobstate.py)
+        self.on_state = on_state or (lambda _state: None)  # job.json (launch/jobs/jobstate.py)
         self.trap = SignalTrap(trap)  # a detached monitor leaves SIGHUP ignored
-        self.watch = watch  # the stall watchdog (launch/watchdog.py), fed every step
+        self.watch = watch  # the stall watchdog (launch/run/watchdog.py), fed every step
         self.times = times or StepTimes()
         self.grace = grace  # --grace; None: a stop's grace is derived from the measured save time
         self.failure_grace = FAILURE_GRACE_S if grace is None else min(grace, FAILURE_GRACE_S)
