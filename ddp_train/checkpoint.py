@@ -95,6 +95,22 @@ def restore_rng(state: dict[str, Any], env: DistEnv, device: torch.device, fallb
         seed_rng(fallback_seed)
 
 
+def when(seconds: float, now: float | None = None) -> str:
+    """A save time for a log line: `2026-12-04 16:40:01 UTC, 3h12m ago`."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
+    age = max(0, int((time.time() if now is None else now) - seconds))
+    ago = f"{age // 3600}h{age % 3600 // 60:02d}m" if age >= 3600 else f"{age // 60}m{age % 60:02d}s"
+    return f"{stamp}, {ago} ago"
+
+
+def saved_at(path: Path) -> str:
+    """When the checkpoint at `path` was published (its mtime: the rename keeps the write's time)."""
+    try:
+        return when(path.stat().st_mtime)
+    except OSError:
+        return "time unknown"
+
+
 def checkpoint_name(step: int) -> str:
     """File name of the checkpoint taken after `step` optimizer steps."""
     return f"step-{step:08d}.pt"
@@ -295,11 +311,14 @@ class Checkpointer:
         if self.resume == "never":
             existing = list_checkpoints(self.directory)
             if existing:
+                step, newest = existing[-1]
                 raise ConfigError(
                     "config",
                     "checkpoint.resume",
-                    f"'never' but {self.directory} already holds {len(existing)} checkpoint(s) up to "
-                    f"{existing[-1][1].name}; use another run.name or checkpoint.dir, or delete them",
+                    f"'never' (--fresh) but {self.directory} already holds {len(existing)} checkpoint(s), "
+                    f"the newest of step {step} ({newest.name}, saved {saved_at(newest)}); use another "
+                    "run.name (or checkpoint.dir), delete that directory to start over, or resume from it "
+                    "without --fresh (checkpoint.resume: auto)",
                 )
             return None
         for tmp in remove_stale_temps(self.directory):

@@ -288,11 +288,15 @@ class Trainer:
         # the model's own tensors receive the broadcast: no rank but the reader holds a copy of the state
         found = self.checkpoints.restore(self.device, into={"model": self.model.state_dict()})
         if found is None:
+            log.info("fresh start (no checkpoint in %s)", self.cfg.checkpoint_dir)
             return False
         state, path, src, host = found
         self.load_state_dict(state, path)
-        where = f" (on {host}, rank {src})" if src != 0 else ""
-        log.info("resumed from %s at step %d%s", path, self.step, where)
+        # the run's first INFO line (rank 0): what this run continues, so a stale one is seen at once
+        job = f" of job {state['job']}" if state.get("job") else ""
+        saved = f", saved {checkpoint.when(state['saved_at'])}" if state.get("saved_at") else ""
+        where = f", on {host} (rank {src})" if src != 0 else ""
+        log.info("resumed from %s at step %d%s%s%s", path, self.step, job, saved, where)
         if self.step >= (total := self.cfg.train.max_steps):
             log.info("checkpoint step %d >= train.max_steps %d: nothing left to train", self.step, total)
         return True
@@ -330,6 +334,9 @@ class Trainer:
             "world_size": self.env.world_size,
             "config": self.cfg.to_dict(),
             "torch_version": str(torch.__version__),
+            # what a resume's first line names (rank 0 builds this at the moment it saves)
+            "saved_at": time.time(),
+            "job": os.environ.get("DDP_JOB_ID"),
         }
 
     def save(self) -> None:

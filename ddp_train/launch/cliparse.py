@@ -15,7 +15,8 @@ EPILOG = (
     """examples:
   ddp-launch --hosts inventory/local                       # two local nodes, no SSH
   ddp-launch doctor --hosts inventory/prod                 # preflight table, starts nothing
-  ddp-launch --hosts inventory/prod --limit 'gpu[01:04]' --config train.yaml --set train.max_steps=500
+  ddp-launch --hosts inventory/prod --limit 'gpu[01:04]' --config ddp_train/configs/gpt2-124m.yaml
+  ddp-launch --hosts inventory/local --fresh               # a new run: refuse existing checkpoints
   ddp-launch --hosts inventory/prod --dry-run -- --extra-trainer-arg
   ddp-launch --hosts inventory/prod --sync . train.py --epochs 3   # your own script, shipped to every node
   ddp-launch --hosts inventory/prod --sync . -m mypkg.train --lr 3e-4
@@ -159,6 +160,12 @@ def _run_options(run: argparse.ArgumentParser, job: argparse._ArgumentGroup) -> 
         dest="overrides",
         metavar="K=V",
         help="trainer config override (repeatable)",
+    )
+    job.add_argument(
+        "--fresh",
+        action="store_true",
+        help="this must be a new run: the trainer refuses (exit 2) when the run's checkpoint directory "
+        "already holds checkpoints (--set checkpoint.resume=never) [resume from the newest, and say so]",
     )
     job.add_argument("--max-restarts", type=int, metavar="R", help="passed to torchrun")
     job.add_argument(

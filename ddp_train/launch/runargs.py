@@ -18,6 +18,9 @@ if TYPE_CHECKING:  # the heavy modules load only when a command needs them
     from ddp_train.launch.remote.sync import Manifest
 
 
+FRESH = "checkpoint.resume=never"  # what --fresh means to the packaged trainer (checkpoint.py refuses)
+
+
 def split_rest(opts: argparse.Namespace) -> list[str]:
     """What followed the options (`rest`): `-- trainer args` (returned) or `script [script args]`
     (set as opts.script, opts.script_args)."""
@@ -78,11 +81,13 @@ def build(opts: argparse.Namespace, trainer_args: list[str], doctor: bool) -> Jo
             raise LaunchError(f"--stall-timeout {opts.stall_timeout:g}: must be >= 0 (0: off)")
         if opts.module and not opts.script:
             raise LaunchError("-m/--module: name the module to run, as with torchrun (-m pkg.mod)")
-        if opts.script and (opts.config or opts.overrides or trainer_args):
+        if opts.script and (opts.config or opts.overrides or trainer_args or opts.fresh):
             raise LaunchError(
-                "--config/--set/`-- args` are for the packaged trainer; your script takes its own "
+                "--config/--set/--fresh/`-- args` are for the packaged trainer; your script takes its own "
                 f"arguments after its name ({opts.script} ...)"
             )
+        if opts.fresh and FRESH not in opts.overrides:
+            opts.overrides.append(FRESH)  # last, so it wins over a --set checkpoint.resume before it
         config, required = _check_config(opts.config, opts.overrides)
         required += opts.require
     from ddp_train.launch.cliparse import DEFAULT_INVENTORY

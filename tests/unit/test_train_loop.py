@@ -205,9 +205,32 @@ def test_runtime_input_errors_are_one_line(tmp_path, capsys, overrides, message)
 
 def test_resume_never_refuses_a_directory_with_checkpoints(tmp_path, capsys):
     assert train(tmp_path, "train.max_steps=1")[0] == 0
-    code, _ = train(tmp_path, "train.max_steps=1", "checkpoint.resume=never")
+    capsys.readouterr()
+    code, cfg = train(tmp_path, "train.max_steps=1", "checkpoint.resume=never")
     assert code == exitcodes.BAD_INPUT
-    assert "checkpoint.resume: 'never' but" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("ddp-train: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    # one line: the field, the directory, the newest step and the ways out
+    assert "checkpoint.resume: 'never' (--fresh) but" in lines[0]
+    assert f"{cfg.checkpoint_dir} already holds 1 checkpoint(s), the newest of step 1" in lines[0]
+    assert "use another run.name" in lines[0] and "delete that directory" in lines[0]
+    assert sorted(p.name for p in cfg.checkpoint_dir.iterdir()) == ["step-00000001.pt"]  # nothing touched
+
+
+def test_the_first_info_line_says_fresh_start_or_what_was_resumed(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("DDP_JOB_ID", "job-a")
+    assert train(tmp_path, "train.max_steps=2")[0] == 0
+    first = [x for x in capsys.readouterr().err.splitlines() if " INFO " in x][0]
+    ckpts = tmp_path / "runs" / "default" / "checkpoints"
+    assert first.endswith(f"INFO fresh start (no checkpoint in {ckpts})"), first
+    monkeypatch.setenv("DDP_JOB_ID", "job-b")
+    assert train(tmp_path, "train.max_steps=3")[0] == 0
+    first = [x for x in capsys.readouterr().err.splitlines() if " INFO " in x][0]
+    m = re.search(r"INFO resumed from (\S+) at step 2 of job job-a, saved (.+ UTC), (\d+)m\d\ds ago$", first)
+    assert m, first
+    assert m.group(1) == str(ckpts / "step-00000002.pt")
+    assert int(m.group(3)) < 10  # saved moments ago, by the first run
 
 
 def test_a_checkpoint_of_another_model_is_refused_naming_the_file(tmp_path, capsys):
