@@ -8,11 +8,9 @@ exists for the booted kernel, and nothing lands on this machine.
 
 from __future__ import annotations
 
-import base64
 import os
 import re
 import shutil
-import struct
 import subprocess
 import textwrap
 from pathlib import Path
@@ -244,37 +242,12 @@ def test_dracut_force_rebuilds_only_the_running_kernel(sim):
     assert "dracut --force" in log and "dracut --regenerate-all --force" in log
 
 
-def _openpgp_v6_key() -> str:
-    """An armored OpenPGP v6 public key (RFC 9580: a version-6 Ed25519 key packet and a user ID), the
-    version RHEL 10.1's release key has. gpg before 2.5 stops at it: "packet(6) with unknown version 6"."""
-
-    def packet(tag: int, body: bytes) -> bytes:
-        return bytes([0xC0 | tag, len(body)]) + body
-
-    key = packet(6, bytes([6]) + struct.pack(">IBI", 1735689600, 27, 32) + bytes(range(32)))
-    data = key + packet(13, b"ddp-sim stand-in for RHEL 10.1's v6 release key")
-    crc = 0xB704CE
-    for byte in data:
-        crc ^= byte << 16
-        for _ in range(8):
-            crc = (crc << 1) ^ (0x1864CFB if crc & 0x800000 else 0)
-    b64 = base64.b64encode(data).decode()
-    lines = [b64[i : i + 64] for i in range(0, len(b64), 64)]
-    tail = base64.b64encode((crc & 0xFFFFFF).to_bytes(3, "big")).decode()
-    return "\n".join(
-        ["-----BEGIN PGP PUBLIC KEY BLOCK-----", "", *lines, f"={tail}", "-----END PGP PUBLIC KEY BLOCK-----"]
-    )
-
-
 def test_cuda_repo_imports_its_key_where_the_rpmdb_holds_an_openpgp_v6_key(sim, tmp_path, venv_bin):
     """rpm_key lists the rpmdb's keys through gpg, which cannot read a v6 key (ansible/ansible#86246): on
     RHEL 10.1 every rpm_key task fails. The role's own import reads only the key it imports."""
     # The rpmdb entry `rpm --import` makes of a key: package gpg-pubkey, the armored key its description.
     spec = tmp_path / "gpg-pubkey.spec"
-    spec.write_text(
-        "Name: gpg-pubkey\nVersion: 5a6340b3\nRelease: 6771b1f6\nSummary: v6 key\nLicense: pubkey\n"
-        f"BuildArch: noarch\n%description\n{_openpgp_v6_key()}\n%files\n"
-    )
+    spec.write_text(el.v6_key_spec())
     subprocess.run(
         ["rpmbuild", "-bb", "--quiet", "--define", f"_topdir {tmp_path / 'top'}", str(spec)], check=True
     )
