@@ -293,6 +293,26 @@ def test_nvidia_module_streams_and_profiles_as_published(sim):
     assert len(kmods) == 1 + len(info["newer_kernels"]), kmods
 
 
+def test_rocky10_identity_from_the_same_manifest():
+    """--os rocky10: Rocky 10.1's release, python3 3.12 and kernel, NVIDIA's rhel10 repository without module
+    streams and with a second CUDA 13 branch (590); EL9's own packages and the 575 branch stay EL9's."""
+    el9, el10 = el.Manifest.load(os_name="rocky9"), el.Manifest.load(os_name="rocky10")
+    base = {p.name: f"{p.version}-{p.release}" for p in el10.packages if p.base}
+    assert base["rocky-release"] == "10.1-1.4.el10" and base["python3"].startswith("3.12.")
+    assert re.fullmatch(r"6\.12\.0-124\.[\d.]+\.el10_1\.x86_64", el10.installed_kernel)
+    assert el10.modules == [] and len(el9.modules) > 0
+    assert {p.repo for p in el10.packages if p.name == "nvidia-driver-cuda"} == {"cuda-rhel10-x86_64"}
+
+    def branches(man: el.Manifest) -> set:
+        return {p.version.split(".")[0] for p in man.packages if p.name == "kmod-nvidia-open-dkms"}
+
+    assert branches(el10) == {"580", "590"} and branches(el9) == {"580", "575"}
+    assert not any(p.name.startswith("python3.11") for p in el10.packages)
+    assert all(p.release.endswith(".el10") for p in el10.packages if p.name == "nvidia-kmod-common")
+    assert "Rocky Linux 10.1" in el.IDENTITIES["rocky10"].os_release
+    assert "Debian" not in el.openpgp_v6_key() and el.v6_key_spec().startswith("Name: gpg-pubkey\n")
+
+
 def test_nothing_lands_on_the_real_machine(sim):
     assert _snapshot() == sim.real_before  # rpmdb and /boot untouched
     leaked = [p for p in SIM_ONLY if os.path.lexists(p)]
