@@ -72,8 +72,8 @@ REDHAT_SUPPORT_PRODUCT="Rocky Linux"
 REDHAT_SUPPORT_PRODUCT_VERSION="9.6"
 """
 RELEASE_LINE = "Rocky Linux release 9.6 (Blue Onyx)\n"
-# Rocky Linux 10.1's, the same fields (rocky-release-10.1, https://git.resf.org/sig_core/rocky-release
-# branch r10; 10.x is "Red Quartz", supported to 2035-05-31).
+# Rocky Linux 10.1's (released 2025-11; 10.x is "Red Quartz", end of life 2035-05-31): Rocky 9.6's fields
+# with 10.1's values, not compared line by line against a 10.1 host's file.
 OS_RELEASE_10 = """NAME="Rocky Linux"
 VERSION="10.1 (Red Quartz)"
 ID="rocky"
@@ -190,12 +190,9 @@ def openpgp_v6_key() -> str:
     )
 
 
-# The rpmdb entry `rpm --import` makes of a key: package gpg-pubkey, version the key id, the armored key
-# its description (key id and release as a stand-in: the v6 key above is not RHEL's).
-V6_KEY_NEVR = "gpg-pubkey-5a6340b3-6771b1f6"
-
-
 def v6_key_spec() -> str:
+    """The rpmdb entry `rpm --import` makes of a key, as a spec: package gpg-pubkey, version the key id,
+    the armored key its description (a stand-in key id and release: the v6 key above is not RHEL's)."""
     return (
         "Name: gpg-pubkey\nVersion: 5a6340b3\nRelease: 6771b1f6\nSummary: v6 key\nLicense: pubkey\n"
         f"BuildArch: noarch\n%description\n{openpgp_v6_key()}\n%files\n"
