@@ -8,11 +8,9 @@ exists for the booted kernel, and nothing lands on this machine.
 
 from __future__ import annotations
 
-import base64
 import os
 import re
 import shutil
-import struct
 import subprocess
 import textwrap
 from pathlib import Path
@@ -244,37 +242,12 @@ def test_dracut_force_rebuilds_only_the_running_kernel(sim):
     assert "dracut --force" in log and "dracut --regenerate-all --force" in log
 
 
-def _openpgp_v6_key() -> str:
-    """An armored OpenPGP v6 public key (RFC 9580: a version-6 Ed25519 key packet and a user ID), the
-    version RHEL 10.1's release key has. gpg before 2.5 stops at it: "packet(6) with unknown version 6"."""
-
-    def packet(tag: int, body: bytes) -> bytes:
-        return bytes([0xC0 | tag, len(body)]) + body
-
-    key = packet(6, bytes([6]) + struct.pack(">IBI", 1735689600, 27, 32) + bytes(range(32)))
-    data = key + packet(13, b"ddp-sim stand-in for RHEL 10.1's v6 release key")
-    crc = 0xB704CE
-    for byte in data:
-        crc ^= byte << 16
-        for _ in range(8):
-            crc = (crc << 1) ^ (0x1864CFB if crc & 0x800000 else 0)
-    b64 = base64.b64encode(data).decode()
-    lines = [b64[i : i + 64] for i in range(0, len(b64), 64)]
-    tail = base64.b64encode((crc & 0xFFFFFF).to_bytes(3, "big")).decode()
-    return "\n".join(
-        ["-----BEGIN PGP PUBLIC KEY BLOCK-----", "", *lines, f"={tail}", "-----END PGP PUBLIC KEY BLOCK-----"]
-    )
-
-
 def test_cuda_repo_imports_its_key_where_the_rpmdb_holds_an_openpgp_v6_key(sim, tmp_path, venv_bin):
     """rpm_key lists the rpmdb's keys through gpg, which cannot read a v6 key (ansible/ansible#86246): on
     RHEL 10.1 every rpm_key task fails. The role's own import reads only the key it imports."""
     # The rpmdb entry `rpm --import` makes of a key: package gpg-pubkey, the armored key its description.
     spec = tmp_path / "gpg-pubkey.spec"
-    spec.write_text(
-        "Name: gpg-pubkey\nVersion: 5a6340b3\nRelease: 6771b1f6\nSummary: v6 key\nLicense: pubkey\n"
-        f"BuildArch: noarch\n%description\n{_openpgp_v6_key()}\n%files\n"
-    )
+    spec.write_text(el.v6_key_spec())
     subprocess.run(
         ["rpmbuild", "-bb", "--quiet", "--define", f"_topdir {tmp_path / 'top'}", str(spec)], check=True
     )
@@ -318,6 +291,26 @@ def test_nvidia_module_streams_and_profiles_as_published(sim):
     info = sim.cache.info
     kmods = [p for p in info["packages"] if re.search(rf"/kmod-nvidia-{DRIVER}-5\.14\.0-", p)]
     assert len(kmods) == 1 + len(info["newer_kernels"]), kmods
+
+
+def test_rocky10_identity_from_the_same_manifest():
+    """--os rocky10: Rocky 10.1's release, python3 3.12 and kernel, NVIDIA's rhel10 repository without module
+    streams and with a second CUDA 13 branch (590); EL9's own packages and the 575 branch stay EL9's."""
+    el9, el10 = el.Manifest.load(os_name="rocky9"), el.Manifest.load(os_name="rocky10")
+    base = {p.name: f"{p.version}-{p.release}" for p in el10.packages if p.base}
+    assert base["rocky-release"] == "10.1-1.4.el10" and base["python3"].startswith("3.12.")
+    assert re.fullmatch(r"6\.12\.0-124\.[\d.]+\.el10_1\.x86_64", el10.installed_kernel)
+    assert el10.modules == [] and len(el9.modules) > 0
+    assert {p.repo for p in el10.packages if p.name == "nvidia-driver-cuda"} == {"cuda-rhel10-x86_64"}
+
+    def branches(man: el.Manifest) -> set:
+        return {p.version.split(".")[0] for p in man.packages if p.name == "kmod-nvidia-open-dkms"}
+
+    assert branches(el10) == {"580", "590"} and branches(el9) == {"580", "575"}
+    assert not any(p.name.startswith("python3.11") for p in el10.packages)
+    assert all(p.release.endswith(".el10") for p in el10.packages if p.name == "nvidia-kmod-common")
+    assert "Rocky Linux 10.1" in el.IDENTITIES["rocky10"].os_release
+    assert "Debian" not in el.openpgp_v6_key() and el.v6_key_spec().startswith("Name: gpg-pubkey\n")
 
 
 def test_nothing_lands_on_the_real_machine(sim):

@@ -26,16 +26,16 @@ def main(argv: list[str] | None = None) -> int:
         "--os",
         choices=OS_CHOICES,
         default="debian",
-        help="rocky9: EL9 simulation hosts (real dnf/rpm against local repos, tests/testbed/el)",
+        help="rocky9/rocky10: EL9/EL10 simulation hosts (real dnf/rpm against local repos, tests/testbed/el)",
     )
-    up.add_argument("--gpus", type=int, default=8, help="simulated NVIDIA GPUs per rocky9 host (0-8)")
+    up.add_argument("--gpus", type=int, default=8, help="simulated NVIDIA GPUs per EL sim host (0-8)")
     up.add_argument("--gpu-model", choices=("h100", "h200"), default="h100")
-    up.add_argument("--nvswitch", action="store_true", help="rocky9 hosts also get 4 simulated NVSwitches")
+    up.add_argument("--nvswitch", action="store_true", help="EL sim hosts also get 4 simulated NVSwitches")
     up.add_argument(
         "--usr-local", action="store_true", help="debian hosts: an overlay over /usr/local too (for fakes)"
     )
     up.add_argument(
-        "--firewalld", action="store_true", help="rocky9 hosts run D-Bus and firewalld (el/firewalld.py)"
+        "--firewalld", action="store_true", help="EL sim hosts run D-Bus and firewalld (el/firewalld.py)"
     )
     up.add_argument(
         "--train-net",

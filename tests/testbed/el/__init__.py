@@ -1,4 +1,5 @@
-"""EL9 (Rocky 9) simulation for the namespace testbed: real dnf 4.14 and rpm against local repositories.
+"""EL9 (Rocky 9) and EL10 (Rocky 10) simulation for the namespace testbed: real dnf 4.14 and rpm against
+local repositories.
 
 `build()` turns manifest.yml into stub RPMs (rpmbuild), signs them with a key generated per cache,
 writes createrepo_c repositories (NVIDIA's with modular metadata, modules.yaml via modifyrepo_c)
@@ -16,10 +17,16 @@ What the base image changes relative to this Debian machine, all inside the host
   /usr   the shim, ddp-sim-reboot, and Debian's dnf plugins that EL's base install lacks are hidden
          (versionlock arrives with python3-dnf-plugin-versionlock, as on EL; local and
          post-transaction-actions are not installed on EL by default).
+
+One manifest serves both identities (IDENTITIES): its packages, kernels, drivers and toolkits carry an
+`os` list where they exist for one only, @EL@ and @DIST@ stand for 9/10 and el9/el10. Rocky 10.1 has no
+module streams (NVIDIA's rhel10 repository has no modules.yaml: the roles lock the branch with
+versionlock, branchlock-RedHat.yml), and its rpmdb holds an OpenPGP v6 key, as RHEL 10.1's does.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import fcntl
 import hashlib
@@ -28,6 +35,7 @@ import os
 import shlex
 import shutil
 import stat
+import struct
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,7 +46,7 @@ STUBS = HERE / "stubs"
 CACHE_ROOT = Path(os.environ.get("DDP_EL_SIM_CACHE", "/tmp"))
 SIM_DIR = "/var/lib/ddp-sim"
 OVERLAY_DIRS = ("/etc", "/usr", "/var", "/boot")
-CUDA_REPO = "cuda-rhel9-x86_64"
+CUDA_REPO = "cuda-rhel9-x86_64"  # the rocky9 identity's; Identity.cuda_repo
 
 # Rocky Linux 9.6's /usr/lib/os-release and release files, as shipped by rocky-release-9.6-1.2.el9
 # (https://git.resf.org/sig_core/rocky-release, branch r9; the same text `cat /etc/os-release`
@@ -64,6 +72,29 @@ REDHAT_SUPPORT_PRODUCT="Rocky Linux"
 REDHAT_SUPPORT_PRODUCT_VERSION="9.6"
 """
 RELEASE_LINE = "Rocky Linux release 9.6 (Blue Onyx)\n"
+# Rocky Linux 10.1's (released 2025-11; 10.x is "Red Quartz", end of life 2035-05-31): Rocky 9.6's fields
+# with 10.1's values, not compared line by line against a 10.1 host's file.
+OS_RELEASE_10 = """NAME="Rocky Linux"
+VERSION="10.1 (Red Quartz)"
+ID="rocky"
+ID_LIKE="rhel centos fedora"
+VERSION_ID="10.1"
+PLATFORM_ID="platform:el10"
+PRETTY_NAME="Rocky Linux 10.1 (Red Quartz)"
+ANSI_COLOR="0;32"
+LOGO="fedora-logo-icon"
+CPE_NAME="cpe:/o:rocky:rocky:10::baseos"
+HOME_URL="https://rockylinux.org/"
+VENDOR_NAME="RESF"
+VENDOR_URL="https://resf.org/"
+BUG_REPORT_URL="https://bugs.rockylinux.org/"
+SUPPORT_END="2035-05-31"
+ROCKY_SUPPORT_PRODUCT="Rocky-Linux-10"
+ROCKY_SUPPORT_PRODUCT_VERSION="10.1"
+REDHAT_SUPPORT_PRODUCT="Rocky Linux"
+REDHAT_SUPPORT_PRODUCT_VERSION="10.1"
+"""
+RELEASE_LINE_10 = "Rocky Linux release 10.1 (Red Quartz)\n"
 # Rocky 9's /etc/dnf/dnf.conf (dnf-4.14.0-*.el9 as built for EL9).
 DNF_CONF = """[main]
 gpgcheck=1
@@ -103,6 +134,69 @@ REBOOT = "/usr/local/sbin/ddp-sim-reboot"
 
 class SimError(RuntimeError):
     """The EL simulation could not be built."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """One simulated EL release: what /etc says, the dist tag, NVIDIA's repository layout for it."""
+
+    os: str  # the testbed's --os
+    major: str
+    os_release: str
+    release_line: str
+    modular: bool  # NVIDIA's repository has the nvidia-driver module streams (EL9; EL10 has no modularity)
+    v6_key: bool  # an OpenPGP v6 key in the rpmdb (RHEL 10.1's release key; ansible/ansible#86246)
+
+    @property
+    def dist(self) -> str:
+        return f"el{self.major}"
+
+    @property
+    def cuda_repo(self) -> str:
+        return f"cuda-rhel{self.major}-x86_64"
+
+
+IDENTITIES = {
+    "rocky9": Identity("rocky9", "9", OS_RELEASE, RELEASE_LINE, modular=True, v6_key=False),
+    "rocky10": Identity("rocky10", "10", OS_RELEASE_10, RELEASE_LINE_10, modular=False, v6_key=True),
+}
+
+
+def identity(os_name: str) -> Identity:
+    if os_name not in IDENTITIES:
+        raise SimError(f"EL sim os must be one of {', '.join(IDENTITIES)}, got {os_name!r}")
+    return IDENTITIES[os_name]
+
+
+def openpgp_v6_key() -> str:
+    """An armored OpenPGP v6 public key (RFC 9580: a version-6 Ed25519 key packet and a user ID), the
+    version RHEL 10.1's release key has. gpg before 2.5 stops at it: "packet(6) with unknown version 6"."""
+
+    def packet(tag: int, body: bytes) -> bytes:
+        return bytes([0xC0 | tag, len(body)]) + body
+
+    key = packet(6, bytes([6]) + struct.pack(">IBI", 1735689600, 27, 32) + bytes(range(32)))
+    data = key + packet(13, b"ddp-sim stand-in for RHEL 10.1's v6 release key")
+    crc = 0xB704CE
+    for byte in data:
+        crc ^= byte << 16
+        for _ in range(8):
+            crc = (crc << 1) ^ (0x1864CFB if crc & 0x800000 else 0)
+    b64 = base64.b64encode(data).decode()
+    lines = [b64[i : i + 64] for i in range(0, len(b64), 64)]
+    tail = base64.b64encode((crc & 0xFFFFFF).to_bytes(3, "big")).decode()
+    return "\n".join(
+        ["-----BEGIN PGP PUBLIC KEY BLOCK-----", "", *lines, f"={tail}", "-----END PGP PUBLIC KEY BLOCK-----"]
+    )
+
+
+def v6_key_spec() -> str:
+    """The rpmdb entry `rpm --import` makes of a key, as a spec: package gpg-pubkey, version the key id,
+    the armored key its description (a stand-in key id and release: the v6 key above is not RHEL's)."""
+    return (
+        "Name: gpg-pubkey\nVersion: 5a6340b3\nRelease: 6771b1f6\nSummary: v6 key\nLicense: pubkey\n"
+        f"BuildArch: noarch\n%description\n{openpgp_v6_key()}\n%files\n"
+    )
 
 
 def _run(*cmd, **kw) -> subprocess.CompletedProcess:
@@ -176,21 +270,28 @@ def _pkg(d: dict, **defaults) -> Pkg:
 @dataclasses.dataclass
 class Manifest:
     raw: dict
+    ident: Identity
     packages: list[Pkg]
     modules: list[dict]  # modulemd documents
     installed_kernel: str
     newer_kernels: list[str]
 
     @classmethod
-    def load(cls, path: Path = MANIFEST) -> Manifest:
+    def load(cls, path: Path = MANIFEST, os_name: str = "rocky9") -> Manifest:
         import yaml
 
-        raw = yaml.safe_load(path.read_text())
-        pkgs = [_pkg(p) for p in raw["packages"]]
+        ident = identity(os_name)
+
+        def mine(entries: list) -> list:
+            return [e for e in entries if os_name in e.get("os", [os_name])]
+
+        raw = _subst(yaml.safe_load(path.read_text()), {"@EL@": ident.major, "@DIST@": ident.dist})
+        raw["repos"] = {rid: r for rid, r in raw["repos"].items() if os_name in r.get("os", [os_name])}
+        pkgs = [_pkg(p) for p in mine(raw["packages"])]
         installed = ""
         newer = []
         precompiled_for = []  # (kernel uname -r, its kmod package suffix, dist tag)
-        for k in raw["kernels"]:
+        for k in mine(raw["kernels"]):
             krel = f"{k['version']}-{k['release']}.x86_64"
             table = {"@KREL@": krel, "@V@": k["version"], "@R@": k["release"]}
             for t in raw["kernel_packages"]:
@@ -210,17 +311,19 @@ class Manifest:
                 newer.append(krel)
         modules = []
         mod = raw["nvidia_module"]
-        for drv in raw["nvidia_drivers"]:
+        drel = f"1.{ident.dist}"
+        for drv in mine(raw["nvidia_drivers"]):
             v, b = drv["version"], drv["branch"]
-            table = {"@V@": v, "@E@": 3, "@R@": "1.el9", "@FABRIC@": drv["fabric"], "@B@": b}
+            table = {"@V@": v, "@E@": 3, "@R@": drel, "@FABRIC@": drv["fabric"], "@B@": b}
             built = {}
             for t in raw["nvidia_packages"]:
                 t = _subst(t, table)
-                p = _pkg(
-                    t, version=v, release=t.get("release", "1.el9"), epoch=t.get("epoch", 3), repo=CUDA_REPO
-                )
+                rel, epoch = t.get("release", drel), t.get("epoch", 3)
+                p = _pkg(t, version=v, release=rel, epoch=epoch, repo=ident.cuda_repo)
                 built[p.name] = p
                 pkgs.append(p)
+            if not ident.modular:  # no modules.yaml: no streams, and no precompiled kmods modelled
+                continue
             # Precompiled streams (<branch>, latest): one kmod-nvidia-<driver>-<kernel> per kernel, built
             # against it (NVIDIA/yum-packaging-precompiled-kmod: kmod-nvidia-535.54.03-5.14.0-284.18.1,
             # version 535.54.03, release 3.el9_2).
@@ -235,7 +338,7 @@ class Manifest:
                     version=v,
                     release=f"3.{dist}",
                     epoch=3,
-                    repo=CUDA_REPO,
+                    repo=ident.cuda_repo,
                 )
                 built[pk.name] = pk
                 pkgs.append(pk)
@@ -280,7 +383,7 @@ class Manifest:
                             "summary": f"Nvidia driver for {stream} branch",
                             "description": f"This module provides the NVIDIA driver {v} ({stream}).",
                             "license": {"module": ["MIT"]},
-                            "dependencies": [{"requires": {"platform": ["el9"]}}],
+                            "dependencies": [{"requires": {"platform": [ident.dist]}}],
                             "profiles": profiles,
                             "artifacts": {
                                 "rpms": sorted(
@@ -291,7 +394,7 @@ class Manifest:
                         },
                     }
                 )
-        if mod.get("default_stream"):
+        if modules and mod.get("default_stream"):
             streams = sorted({m["data"]["stream"] for m in modules})
             modules.append(
                 {
@@ -304,7 +407,7 @@ class Manifest:
                     },
                 }
             )
-        for tk in raw["cuda_toolkits"]:
+        for tk in mine(raw["cuda_toolkits"]):
             xy = tk["xy"].replace(".", "-")
             pkgs.append(
                 _pkg(
@@ -314,7 +417,7 @@ class Manifest:
                     },
                     version=tk["version"],
                     release="1",
-                    repo=CUDA_REPO,
+                    repo=ident.cuda_repo,
                 )
             )
             pkgs.append(
@@ -322,10 +425,10 @@ class Manifest:
                     {"name": f"cuda-toolkit-{xy}", "requires": [f"cuda-nvcc-{xy} >= {tk['version']}"]},
                     version=tk["version"],
                     release="1",
-                    repo=CUDA_REPO,
+                    repo=ident.cuda_repo,
                 )
             )
-        for n in raw["nccl"]:
+        for n in mine(raw["nccl"]):
             rel = f"1+cuda{n['cuda']}"
             pkgs.append(
                 _pkg(
@@ -340,7 +443,7 @@ class Manifest:
                     },
                     version=n["version"],
                     release=rel,
-                    repo=CUDA_REPO,
+                    repo=ident.cuda_repo,
                 )
             )
             pkgs.append(
@@ -355,10 +458,17 @@ class Manifest:
                     },
                     version=n["version"],
                     release=rel,
-                    repo=CUDA_REPO,
+                    repo=ident.cuda_repo,
                 )
             )
-        return cls(raw=raw, packages=pkgs, modules=modules, installed_kernel=installed, newer_kernels=newer)
+        return cls(
+            raw=raw,
+            ident=ident,
+            packages=pkgs,
+            modules=modules,
+            installed_kernel=installed,
+            newer_kernels=newer,
+        )
 
 
 def cache_key() -> str:
@@ -373,6 +483,11 @@ class Cache:
     """A built simulation: repositories, the signing key and the base image."""
 
     root: Path
+    os_name: str = "rocky9"
+
+    @property
+    def ident(self) -> Identity:
+        return identity(self.os_name)
 
     @property
     def repos(self) -> Path:
@@ -390,13 +505,15 @@ class Cache:
         return self.root / "base"
 
 
-def build(force: bool = False) -> Cache:
-    """Build (or reuse) the cache for the current manifest; safe against concurrent callers."""
-    root = CACHE_ROOT / f"ddp-el-sim-{cache_key()}"
-    cache = Cache(root)
+def build(force: bool = False, os_name: str = "rocky9") -> Cache:
+    """Build (or reuse) one identity's cache for the current manifest; safe against concurrent callers."""
+    identity(os_name)
+    name = f"ddp-el-sim-{cache_key()}" if os_name == "rocky9" else f"ddp-el-sim-{os_name}-{cache_key()}"
+    root = CACHE_ROOT / name
+    cache = Cache(root, os_name)
     if (root / "info.json").exists() and not force:
         return cache
-    with open(CACHE_ROOT / f"ddp-el-sim-{cache_key()}.lock", "w") as lock:
+    with open(CACHE_ROOT / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if (root / "info.json").exists() and not force:
             return cache
@@ -410,7 +527,7 @@ def build(force: bool = False) -> Cache:
         shutil.rmtree(root, ignore_errors=True)
         root.mkdir(parents=True)
         try:
-            _build_into(root)  # info.json, written last, marks the cache complete
+            _build_into(root, os_name)  # info.json, written last, marks the cache complete
         except BaseException:
             shutil.rmtree(root, ignore_errors=True)
             raise
@@ -436,7 +553,7 @@ def _spec(p: Pkg, stage: Path) -> str:
         *(f"Conflicts: {r}" for r in p.conflicts),
         *(f"Obsoletes: {r}" for r in p.obsoletes),
         "%description",
-        f"ddp-sim stub of {p.name} for the EL9 simulation host (tests/testbed/el).",
+        f"ddp-sim stub of {p.name} for the EL simulation host (tests/testbed/el).",
         "%install",
         "mkdir -p %{buildroot}",
         f"cp -a {stage}/. %{{buildroot}}/",
@@ -541,10 +658,11 @@ def _gpg_key(home: Path) -> str:
     return next(line.split(":")[9] for line in out.splitlines() if line.startswith("fpr:"))
 
 
-def _build_into(root: Path) -> None:
+def _build_into(root: Path, os_name: str) -> None:
     import yaml
 
-    man = Manifest.load()
+    man = Manifest.load(os_name=os_name)
+    cuda_repo = man.ident.cuda_repo
     repos_dir = root / "repos"
     repo_urls = {rid: (rdef, f"file://{root / 'repos' / rid}/") for rid, rdef in man.raw["repos"].items()}
 
@@ -570,10 +688,13 @@ def _build_into(root: Path) -> None:
         rdir = repos_dir / rid
         (rdir / "Packages").mkdir(parents=True, exist_ok=True)
         _run("createrepo_c", "--quiet", "--no-database", rdir)
-    cuda = repos_dir / CUDA_REPO
-    mods = cuda / "modules.yaml"
-    mods.write_text(yaml.safe_dump_all(man.modules, sort_keys=False, explicit_start=True, explicit_end=True))
-    _run("modifyrepo_c", "--mdtype=modules", mods, cuda / "repodata")
+    cuda = repos_dir / cuda_repo
+    if man.modules:
+        mods = cuda / "modules.yaml"
+        mods.write_text(
+            yaml.safe_dump_all(man.modules, sort_keys=False, explicit_start=True, explicit_end=True)
+        )
+        _run("modifyrepo_c", "--mdtype=modules", mods, cuda / "repodata")
     _run("gpg", "--batch", "--yes", "--armor", "--export", "--output", cuda / keyname, fpr, env=env)
     _run(
         "gpg",
@@ -604,12 +725,21 @@ def _build_into(root: Path) -> None:
     info = {
         "installed_kernel": man.installed_kernel,
         "newer_kernels": man.newer_kernels,
-        "cuda_repo_baseurl": f"file://{root / 'repos' / CUDA_REPO}/",
-        "cuda_repo_gpgkey_url": f"file://{root / 'repos' / CUDA_REPO / keyname}",
+        "os": os_name,
+        "cuda_repo": cuda_repo,
+        "cuda_repo_baseurl": f"file://{root / 'repos' / cuda_repo}/",
+        "cuda_repo_gpgkey_url": f"file://{root / 'repos' / cuda_repo / keyname}",
         "cuda_repo_gpgkey_fingerprint": fpr,
         "base_packages": sorted(f"{p.name}-{p.version}-{p.release}" for p in man.packages if p.base),
         "packages": sorted(f"{p.repo}/{p.nevra}" for p in man.packages),
     }
+    if man.ident.v6_key:
+        top = root / "v6key"
+        (top / "SPECS").mkdir(parents=True)
+        (top / "SPECS" / "gpg-pubkey.spec").write_text(v6_key_spec())
+        _run("rpmbuild", "-bb", "--quiet", "--define", f"_topdir {top}", top / "SPECS" / "gpg-pubkey.spec")
+        (rpm,) = (top / "RPMS" / "noarch").glob("gpg-pubkey-*.rpm")
+        info["v6_key_rpm"] = str(rpm)
     _build_base_image(root, man, repo_urls, lib / "uname-booted-kernel.so", info)
     (root / "info.json").write_text(json.dumps(info, indent=1))
 
@@ -646,16 +776,17 @@ def _build_base_image(root: Path, man: Manifest, repo_urls: dict, shim: Path, in
         up[d].mkdir(parents=True)
         (base / d.strip("/") / "work").mkdir()
     etc, usr = up["/etc"], up["/usr"]
-    _write(etc / "os-release", OS_RELEASE)
-    _write(usr / "lib/os-release", OS_RELEASE)
+    ident = man.ident
+    _write(etc / "os-release", ident.os_release)
+    _write(usr / "lib/os-release", ident.os_release)
     for f in ("redhat-release", "rocky-release", "system-release"):
-        _write(etc / f, RELEASE_LINE)
+        _write(etc / f, ident.release_line)
     _write(etc / "dnf/dnf.conf", DNF_CONF)
     for name, text in _rocky_repos(repo_urls).items():
         _write(etc / "yum.repos.d" / name, text)
     _write(
         etc / "rpm/macros.ddp-sim",
-        "# ddp-sim: EL9's rpmdb location (Debian's rpm defaults to ~/.rpmdb)\n%_dbpath /var/lib/rpm\n",
+        "# ddp-sim: EL's rpmdb location (Debian's rpm defaults to ~/.rpmdb)\n%_dbpath /var/lib/rpm\n",
     )
     _write(etc / "sysconfig/kernel", SYSCONFIG_KERNEL)
     _write(etc / "machine-id", "ddpsim0000000000000000000000000\n")
@@ -686,8 +817,11 @@ def _build_base_image(root: Path, man: Manifest, repo_urls: dict, shim: Path, in
             *mounts,
             "mount -t tmpfs -o mode=755 tmpfs /run",
             "rpm --initdb",
-            "dnf -q -y --releasever=9 --setopt=install_weak_deps=False install "
+            f"dnf -q -y --releasever={ident.major} --setopt=install_weak_deps=False install "
             + " ".join(info["base_packages"]),
+            # RHEL 10.1's release key is OpenPGP v6, in the rpmdb from the install on (as `rpm --import`
+            # would put it): what ansible's rpm_key cannot list (ansible/ansible#86246).
+            *([f"rpm -i --nodeps {shlex.quote(info['v6_key_rpm'])}"] if ident.v6_key else []),
             "dnf -q -y makecache",
             f"echo {man.installed_kernel} > {SIM_DIR}/booted-kernel",
             f"echo {UNAME_SHIM} > /etc/ld.so.preload",
@@ -759,7 +893,7 @@ def populate_host(
 def inventory_vars(cache: Cache) -> dict:
     info = cache.info
     return {
-        "ddp_testbed_os": "rocky9",
+        "ddp_testbed_os": cache.os_name,
         "gpu_facts_pci_devices_dir": f"{SIM_DIR}/pci/devices",
         "gpu_facts_proc_driver_dir": f"{SIM_DIR}/proc/driver/nvidia",
         "nvidia_driver_reboot_command": REBOOT,
@@ -771,9 +905,10 @@ def inventory_vars(cache: Cache) -> dict:
 
 
 def cuda_repo_file(cache: Cache) -> str:
-    """NVIDIA's cuda-rhel9.repo, pointing at the local copy (what the cuda_repo role writes)."""
+    """NVIDIA's cuda-rhel<N>.repo, pointing at the local copy (what the cuda_repo role writes)."""
     info = cache.info
+    repo = cache.ident.cuda_repo
     return (
-        f"[{CUDA_REPO}]\nname={CUDA_REPO}\nbaseurl={info['cuda_repo_baseurl']}\nenabled=1\ngpgcheck=1\n"
+        f"[{repo}]\nname={repo}\nbaseurl={info['cuda_repo_baseurl']}\nenabled=1\ngpgcheck=1\n"
         f"gpgkey={info['cuda_repo_gpgkey_url']}\n"
     )
