@@ -103,6 +103,20 @@ def when(seconds: float, now: float | None = None) -> str:
     return f"{stamp}, {ago} ago"
 
 
+def provenance() -> dict[str, Any]:
+    """What a resume's first line names, stored in each checkpoint at the moment it is built."""
+    return {"saved_at": time.time(), "job": os.environ.get("DDP_JOB_ID")}
+
+
+def resumed_line(path: Path, state: dict[str, Any], host: str, src: int) -> str:
+    """Rank 0's first line of a resumed run: what it continues, so a stale run is seen at once (a
+    checkpoint from before `provenance` has no job and save time: those parts are left out)."""
+    job = f" of job {state['job']}" if state.get("job") else ""
+    saved = f", saved {when(state['saved_at'])}" if state.get("saved_at") else ""
+    where = f", on {host} (rank {src})" if src != 0 else ""
+    return f"resumed from {path} at step {state['step']}{job}{saved}{where}"
+
+
 def saved_at(path: Path) -> str:
     """When the checkpoint at `path` was published (its mtime: the rename keeps the write's time)."""
     try:

@@ -292,11 +292,7 @@ class Trainer:
             return False
         state, path, src, host = found
         self.load_state_dict(state, path)
-        # the run's first INFO line (rank 0): what this run continues, so a stale one is seen at once
-        job = f" of job {state['job']}" if state.get("job") else ""
-        saved = f", saved {checkpoint.when(state['saved_at'])}" if state.get("saved_at") else ""
-        where = f", on {host} (rank {src})" if src != 0 else ""
-        log.info("resumed from %s at step %d%s%s%s", path, self.step, job, saved, where)
+        log.info("%s", checkpoint.resumed_line(path, state, host, src))  # the run's first INFO line
         if self.step >= (total := self.cfg.train.max_steps):
             log.info("checkpoint step %d >= train.max_steps %d: nothing left to train", self.step, total)
         return True
@@ -334,9 +330,7 @@ class Trainer:
             "world_size": self.env.world_size,
             "config": self.cfg.to_dict(),
             "torch_version": str(torch.__version__),
-            # what a resume's first line names (rank 0 builds this at the moment it saves)
-            "saved_at": time.time(),
-            "job": os.environ.get("DDP_JOB_ID"),
+            **checkpoint.provenance(),
         }
 
     def save(self) -> None:
