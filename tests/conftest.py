@@ -70,6 +70,7 @@ LONGEST_FIRST = (
     "tests/ansible/test_el9_sim_branch.py",
     "tests/ansible/test_molecule.py",
     "tests/ansible/test_el9_sim_check.py",
+    "tests/ansible/test_el10_sim.py",
 )
 
 
