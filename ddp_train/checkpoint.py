@@ -113,7 +113,7 @@ def resumed_line(path: Path, state: dict[str, Any], host: str, src: int) -> str:
     checkpoint from before `provenance` has no job and save time: those parts are left out)."""
     job = f" of job {state['job']}" if state.get("job") else ""
     saved = f", saved {when(state['saved_at'])}" if state.get("saved_at") else ""
-    where = f", on {host} (rank {src})" if src != 0 else ""
+    where = f" (on {host}, rank {src})" if src != 0 else ""
     return f"resumed from {path} at step {state['step']}{job}{saved}{where}"
 
 

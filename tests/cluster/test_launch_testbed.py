@@ -318,8 +318,8 @@ def test_after_ctrl_c_a_restart_with_another_rank_0_resumes_from_the_checkpoint_
 
     code, out = launch([*base, "--job-id", "lt-mv2", "-e", "ddp_master=node1"], tmp_path)
     assert code == 0, out
-    assert re.search(rf"^\[node1 r0\] .*INFO resumed from {re.escape(str(saved))} at step {step} "
-                     r"\(on node0, rank 1\)$", out, re.M), out  # fmt: skip
+    assert re.search(rf"^\[node1 r0\] .*INFO resumed from {re.escape(str(saved))} at step {step} of job "
+                     r"lt-mv1, saved .* ago \(on node0, rank 1\)$", out, re.M), out  # fmt: skip
     finals = [m.groups() for m in map(FINAL.match, out.splitlines()) if m]
     assert sorted(f[:5] for f in finals) == [
         ("node0", "1", "1", "2", "30"),

@@ -209,7 +209,10 @@ def test_script_and_module_have_torchruns_meaning(tmp_path: Path, capsys) -> Non
     [
         (["--sync", "proj", "elsewhere.py"], "elsewhere.py: not inside the synced directory"),
         (["--sync", "proj", "proj/skip.log"], "proj/skip.log: not among the synced files"),
-        (["--sync", "proj", "--config", "proj/c.yaml", "proj/train.py"], "--config/--set/`-- args` are for"),
+        (
+            ["--sync", "proj", "--config", "proj/c.yaml", "proj/train.py"],
+            "--config/--set/--fresh/`-- args` are for",
+        ),
         (["-m"], "-m/--module: name the module to run"),
         (["--sync", "nodir", "t.py"], "--sync nodir: not a directory"),
         (
