@@ -121,8 +121,8 @@ class Transport:
         if self.ports:
             over = ", ".join(p.name + (f" ({p.netdev})" if p.netdev else "") for p in self.ports)
             return f"{name}: {self.kind} over {over} ({self.why})"
-        on = f"on {self.iface}" if self.iface else "on the interface NCCL picks (set ddp_network_cidr)"
-        what = "gloo over TCP" if self.kind == "gloo" else "TCP socket"
+        who, what = ("gloo", "gloo over TCP") if self.kind == "gloo" else ("NCCL", "TCP socket")
+        on = f"on {self.iface}" if self.iface else f"on the interface {who} picks (set ddp_network_cidr)"
         return f"{name}: {what} {on} ({self.why})"
 
 
