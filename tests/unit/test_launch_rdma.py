@@ -264,6 +264,18 @@ def test_on_refusal_fails_preflight_with_exit_3(tmp_path, capsys, monkeypatch):
     assert out.count("ddp_rdma is on but no RDMA port is ACTIVE") == 2  # one line per node
 
 
+def test_off_with_the_plans_nccl_ib_disable_says_ddp_rdma_and_a_contradicting_ddp_env_fails():
+    _, checks = checks_for({"a": "ib_connectx"}, modes={"a": "off"}, NCCL_IB_DISABLE="1")  # as runargs sets
+    rdma.check_cluster(checks)
+    assert checks[0].failures == [] and rdma.transport_env(checks) == ({}, [])
+    assert rdma.doctor_lines(checks) == [
+        "a: TCP socket on the interface NCCL picks (set ddp_network_cidr) (ddp_rdma off: NCCL_IB_DISABLE=1)"
+    ]
+    _, checks = checks_for({"a": "ib_connectx"}, modes={"a": "off"}, NCCL_IB_DISABLE="0")
+    rdma.check_cluster(checks)
+    assert checks[0].failures == ["ddp_rdma is off but ddp_env sets NCCL_IB_DISABLE=0: drop one"]
+
+
 def test_a_node_off_among_rdma_nodes_fails():
     _, checks = checks_for({"a": "ib_connectx", "b": "ib_connectx"}, modes={"b": "off"})
     rdma.check_cluster(checks)
@@ -288,7 +300,10 @@ def test_ddp_rdma_is_read_from_the_inventory_and_rdma_flag_wins(tmp_path):
     assert [n.rdma for n in load_nodes([str(inv)])] == ["auto", "off", "on"]  # unquoted off: YAML false
     opts = build_parser().parse_args(["doctor", "--hosts", str(inv), "--rdma", "off"])
     runargs.split_rest(opts)
-    assert {p.node.rdma for p in runargs.build(opts, [], True).nodes} == {"off"}
+    plan = runargs.build(opts, [], True)
+    assert {p.node.rdma for p in plan.nodes} == {"off"}
+    # in the plan from the start: --dry-run shows it, --skip-preflight keeps it
+    assert {p.env["NCCL_IB_DISABLE"] for p in plan.nodes} == {"1"}
     inv.write_text("all:\n  hosts:\n    a: {ddp_rdma: roce}\n")
     with pytest.raises(LaunchError, match="host a: ddp_rdma: 'roce' is not one of auto, on, off"):
         load_nodes([str(inv)])

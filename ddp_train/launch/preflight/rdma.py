@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ddp_train.launch.node.probe import rdma_ports
 
 if TYPE_CHECKING:
+    from ddp_train.launch.plan.inventory import Node
     from ddp_train.launch.plan.plan import JobPlan
     from ddp_train.launch.preflight.preflight_model import NodeCheck
 
@@ -138,10 +139,10 @@ def transport(c: NodeCheck) -> Transport | None:
     iface = c.facts.get("iface") or (env.get("NCCL_SOCKET_IFNAME") or "").lstrip("=") or None
     if not int(c.facts.get("gpus") or 0):
         return Transport("gloo", "no GPU: gloo, which never uses RDMA", iface=iface)
-    if _disabled(env):
-        return Transport("TCP", f"{DISABLE_ENV}={env[DISABLE_ENV]} from ddp_env", iface=iface)
     if mode == "off":
         return Transport("TCP", f"ddp_rdma off: {DISABLE_ENV}=1", iface=iface)
+    if _disabled(env):
+        return Transport("TCP", f"{DISABLE_ENV}={env[DISABLE_ENV]} from ddp_env", iface=iface)
     ports = ports_from_raw(c.facts["rdma"])
     active = tuple(p for p in ports if p.active)
     if not active:
@@ -164,18 +165,22 @@ def check_cluster(checks: Sequence[NodeCheck]) -> None:
         ports = ports_from_raw(c.facts["rdma"])
         down = [p.describe() for p in ports if not p.active]
         where = "; its ports: " + ", ".join(down) if down else " (no HCA in /sys/class/infiniband)"
-        if c.plan.node.rdma == "on" and not t.rdma:
-            if _disabled(c.plan.env):
-                c.fail(f"ddp_rdma is on but ddp_env sets {DISABLE_ENV}={c.plan.env[DISABLE_ENV]}: drop one")
+        mode, env = c.plan.node.rdma, c.plan.env
+        tcp_by_env = _disabled(env) and mode != "off"  # NCCL_IB_DISABLE in ddp_env: TCP on purpose
+        if mode == "on" and not t.rdma:
+            if tcp_by_env:
+                c.fail(f"ddp_rdma is on but ddp_env sets {DISABLE_ENV}={env[DISABLE_ENV]}: drop one")
             else:
                 c.fail(
                     f"ddp_rdma is on but no RDMA port is ACTIVE{where}: bring the ports up (ibstat) "
                     "or set ddp_rdma: off (TCP) or auto"
                 )
-        elif not have or t.rdma or _disabled(c.plan.env):  # NCCL_IB_DISABLE in ddp_env: TCP on purpose
-            if down and c.plan.node.rdma != "off" and not _disabled(c.plan.env):
+        elif mode == "off" and DISABLE_ENV in env and not _disabled(env):
+            c.fail(f"ddp_rdma is off but ddp_env sets {DISABLE_ENV}={env[DISABLE_ENV]}: drop one")
+        elif not have or t.rdma or tcp_by_env:
+            if down and mode != "off" and not tcp_by_env:
                 c.warnings.append(f"RDMA ports not ACTIVE (NCCL skips them): {', '.join(down)}")
-        elif c.plan.node.rdma == "auto":
+        elif mode == "auto":
             c.fail(
                 f"no ACTIVE RDMA port{where}; but {', '.join(have)} have one: NCCL would mix IB and TCP "
                 f"between nodes. Bring the ports up (ibstat) or set ddp_rdma: off (or --rdma off) for TCP"
@@ -232,12 +237,20 @@ def transport_env(checks: Sequence[NodeCheck]) -> tuple[dict[str, dict[str, str]
     values = {name: {ENV: v} for name, v in hca.items()}
     for c in checks:
         t = transport(c)
-        if t is not None and c.plan.node.rdma == "off" and t.kind == "TCP" and not _disabled(c.plan.env):
+        if t is not None and c.plan.node.rdma == "off" and t.kind == "TCP" and DISABLE_ENV not in c.plan.env:
             values[c.name] = {DISABLE_ENV: "1"}
             notes.append(f"{c.name}: {DISABLE_ENV}=1 (ddp_rdma off)")
     if notice := roce_notice(checks):
         notes.append(notice)
     return values, notes
+
+
+def with_mode_env(node: Node) -> Node:
+    """The node with NCCL_IB_DISABLE=1 in its env under ddp_rdma off, from the plan on: --dry-run shows
+    it and --skip-preflight keeps it (a value in ddp_env stays; preflight refuses one that is not 1)."""
+    if node.rdma != "off" or DISABLE_ENV in node.env:
+        return node
+    return dataclasses.replace(node, env={**node.env, DISABLE_ENV: "1"})
 
 
 def with_ib_hca(plan: JobPlan, checks: Sequence[NodeCheck]) -> tuple[JobPlan, list[str]]:
