@@ -97,9 +97,12 @@ def test_verify_reports_and_checks_the_transport_nccl_chose(playbook, venv_bin, 
         "no_rdma": ("missing", "nccl_socket.log", 1.1),
         "roce_off": ("roce_connectx", "nccl_socket.log", 9.1),  # ddp_rdma off: TCP on the 100 GbE port
         "on_but_down": ("ib_all_down", "nccl_socket.log", 1.1),  # ddp_rdma on
+        "roce_rerun": ("roce_connectx", "nccl_ib_no_gdr.log", 11.2),  # auto: RoCE, then the TCP rerun
     }
+    rerun = "ddp-allreduce rank=0 world_size=2 backend=nccl algbw_GBps=4.9 busbw_GBps=9.100 ok=1"
     more = {"roce_off": {"ddp_rdma": "off", "rdma_case_iface": "ens1f0np0"},
-            "on_but_down": {"ddp_rdma": True}}  # fmt: skip
+            "on_but_down": {"ddp_rdma": True},
+            "roce_rerun": {"rdma_case_iface": "ens1f0np0", "rdma_case_rerun": rerun}}  # fmt: skip
     hosts = {
         name: {"ansible_connection": "local", "ansible_python_interpreter": str(venv_bin / "python"),
                "rdma_case_tree": str(TREES / tree), "rdma_case_log": str(TREES / log), "rdma_case_busbw": bw,
@@ -134,6 +137,10 @@ def test_verify_reports_and_checks_the_transport_nccl_chose(playbook, venv_bin, 
         in res.out
     )
     assert "; over RDMA: busbw 22.163 GB/s." in res.out
+    assert (
+        "roce_rerun: TCP sockets on ens1f0np0: busbw 9.1 GB/s (the NCCL_IB_DISABLE=1 run); link 100000 Mb/s "
+        "= 12.5 GB/s, busbw is 72.8% of it; over RDMA: busbw 11.2 GB/s." in res.out
+    )
     assert (
         "on_but_down: ddp_rdma is on but no RDMA port is ACTIVE: mlx5_0:1 IB INIT 200 Gb/s: bring the "
         "ports up" in res.out
