@@ -178,7 +178,7 @@ def _doctor(plan: JobPlan, opts: argparse.Namespace) -> int:
 
     if gpus := gpu_table(report.checks):  # GPU nodes only; their problems are in the lines above
         print(gpus)
-    for line in rdma.ib_hca_env(report.checks)[1]:  # what a launch would set: each node's active RDMA ports
+    for line in rdma.doctor_lines(report.checks):  # each node's transport and why, what a launch would set
         print(f"rdma: {line}")
     if report.ok:
         print("preflight: all checks passed")

@@ -130,6 +130,13 @@ def _common() -> argparse.ArgumentParser:
         action="store_true",
         help="NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,NET, TORCH_DISTRIBUTED_DEBUG=DETAIL",
     )
+    job.add_argument(
+        "--rdma",
+        choices=("auto", "on", "off"),
+        help="NCCL between nodes: auto: InfiniBand or RoCE where a node has an ACTIVE RDMA port, else TCP; "
+        "on: refuse nodes without one; off: TCP sockets on the training interface (NCCL_IB_DISABLE=1) "
+        "[ddp_rdma, else auto]",
+    )
     net = common.add_argument_group("connections")
     net.add_argument(
         "--connect-timeout", type=float, default=10, metavar="S", help="SSH connect timeout [10]"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Sequence
@@ -96,6 +97,11 @@ def build(opts: argparse.Namespace, trainer_args: list[str], doctor: bool) -> Jo
     nodes = load_nodes(
         sources, group=opts.group, limit=opts.limit, exclude=opts.exclude, extra_vars=opts.extra_vars
     )
+    from ddp_train.launch.preflight.rdma import with_mode_env
+
+    if opts.rdma:
+        nodes = [dataclasses.replace(n, rdma=opts.rdma) for n in nodes]  # --rdma wins over ddp_rdma
+    nodes = [with_mode_env(n) for n in nodes]
     manifest, script, script_local, check, mode = None, None, None, None, "warn"
     if not doctor:
         manifest = _scan(opts, nodes)

@@ -95,10 +95,18 @@ def test_verify_reports_and_checks_the_transport_nccl_chose(playbook, venv_bin, 
         "ib_but_socket": ("ib_two_active", "nccl_socket.log", 1.1),
         "ib_slow": ("roce", "nccl_ib_no_gdr.log", 3.0),  # 100 Gb/s RoCE: the floor is 6.25 GB/s
         "no_rdma": ("missing", "nccl_socket.log", 1.1),
+        "roce_off": ("roce_connectx", "nccl_socket.log", 9.1),  # ddp_rdma off: TCP on the 100 GbE port
+        "on_but_down": ("ib_all_down", "nccl_socket.log", 1.1),  # ddp_rdma on
+        "roce_rerun": ("roce_connectx", "nccl_ib_no_gdr.log", 11.2),  # auto: RoCE, then the TCP rerun
     }
+    rerun = "ddp-allreduce rank=0 world_size=2 backend=nccl algbw_GBps=4.9 busbw_GBps=9.100 ok=1"
+    more = {"roce_off": {"ddp_rdma": "off", "rdma_case_iface": "ens1f0np0"},
+            "on_but_down": {"ddp_rdma": True},
+            "roce_rerun": {"rdma_case_iface": "ens1f0np0", "rdma_case_rerun": rerun}}  # fmt: skip
     hosts = {
         name: {"ansible_connection": "local", "ansible_python_interpreter": str(venv_bin / "python"),
-               "rdma_case_tree": str(TREES / tree), "rdma_case_log": str(TREES / log), "rdma_case_busbw": bw}
+               "rdma_case_tree": str(TREES / tree), "rdma_case_log": str(TREES / log), "rdma_case_busbw": bw,
+               **more.get(name, {})}
         for name, (tree, log, bw) in cases.items()
     }  # fmt: skip
     inventory = tmp_path / "hosts.json"
@@ -118,6 +126,24 @@ def test_verify_reports_and_checks_the_transport_nccl_chose(playbook, venv_bin, 
     assert (
         "ib_but_socket has ACTIVE RDMA ports (mlx5_0:1, mlx5_1:1) but NCCL used TCP sockets: "
         "NCCL found no IB device" in res.out
+    )
+    assert re.search(r"roce_off\s+: ok=\d+\s+changed=0\s+unreachable=0\s+failed=0", res.out), res.out[-3000:]
+    assert (
+        "roce_off: TCP sockets on ens1f0np0: busbw 9.1 GB/s (the run above); link 100000 Mb/s = 12.5 GB/s, "
+        "busbw is 72.8% of it." in res.out
+    )
+    assert (
+        "ib_ok: TCP sockets on eth0: not measured (verify_tcp_compare: false); link speed unknown (cat: "
+        in res.out
+    )
+    assert "; over RDMA: busbw 22.163 GB/s." in res.out
+    assert (
+        "roce_rerun: TCP sockets on ens1f0np0: busbw 9.1 GB/s (the NCCL_IB_DISABLE=1 run); link 100000 Mb/s "
+        "= 12.5 GB/s, busbw is 72.8% of it; over RDMA: busbw 11.2 GB/s." in res.out
+    )
+    assert (
+        "on_but_down: ddp_rdma is on but no RDMA port is ACTIVE: mlx5_0:1 IB INIT 200 Gb/s: bring the "
+        "ports up" in res.out
     )
     assert (
         "ib_slow: bus bandwidth 3.0 GB/s is below 0.5 of its 100.0 Gb/s RDMA link (6.25 GB/s), "

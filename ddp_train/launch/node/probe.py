@@ -148,7 +148,8 @@ def _write_cache(cache_file: str, facts: Facts) -> None:
 
 def rdma_ports(root: str) -> list[dict[str, str | None]]:
     """Raw sysfs values, one dict per port, of /sys/class/infiniband/<hca>/ports/<n>/{state,link_layer,
-    rate} under `root` (kernel ABI: Documentation/ABI/stable/sysfs-class-infiniband)."""
+    rate} under `root` (kernel ABI: Documentation/ABI/stable/sysfs-class-infiniband), and as "netdev" the
+    net device of GID 0 (gid_attrs/ndevs/0: a RoCE port's Ethernet interface; IB ports have none)."""
     base = os.path.join(root, "sys", "class", "infiniband")
     out: list[dict[str, str | None]] = []
     try:
@@ -163,9 +164,10 @@ def rdma_ports(root: str) -> list[dict[str, str | None]]:
             continue
         for port in ports:
             e: dict[str, str | None] = {"hca": hca, "port": port}
-            for key in ("state", "link_layer", "rate"):
+            for key, rel in (("state", "state"), ("link_layer", "link_layer"), ("rate", "rate"),
+                             ("netdev", os.path.join("gid_attrs", "ndevs", "0"))):  # fmt: skip
                 try:
-                    with open(os.path.join(pdir, port, key)) as f:
+                    with open(os.path.join(pdir, port, rel)) as f:
                         e[key] = f.read().strip()
                 except OSError:
                     e[key] = None

@@ -25,6 +25,7 @@ DEFAULT_MASTER_PORT = 29500
 DEFAULT_REMOTE_VENV = "/opt/ddp-train/venv"  # the pytorch role's default ddp_venv
 NPROC_WORDS = ("gpu", "cpu", "auto")
 MODES = ("strict", "warn", "off")  # ddp_script_check, ddp_gpu_health
+RDMA_MODES = ("auto", "on", "off")  # ddp_rdma
 SSH_CONNECTIONS = (
     "ssh",
     "smart",
@@ -80,6 +81,7 @@ class Node:
     gpu_health: str = "strict"  # ddp_gpu_health: strict | warn | off (launch/preflight/gpuhealth.py)
     gpu_health_dcgm: bool = False  # ddp_gpu_health_dcgm: also run `dcgmi diag -r 1`
     forks: int | None = None  # ddp_forks: the default of --forks
+    rdma: str = "auto"  # ddp_rdma: auto | on | off (launch/preflight/rdma.py; --rdma wins)
 
     @property
     def where(self) -> str:
@@ -340,7 +342,17 @@ def _node(loader: Any, variables: Any, host: Any, extra: Mapping[str, Any], wher
         gpu_health=_mode(v, "ddp_gpu_health", "strict"),
         gpu_health_dcgm=_flag(v, "ddp_gpu_health_dcgm"),
         forks=_forks(v),
+        rdma=_rdma(v),
     )
+
+
+def _rdma(v: _Vars) -> str:
+    value = v.get("ddp_rdma", default="auto")
+    if isinstance(value, bool):  # YAML 1.1 reads an unquoted on/off as true/false
+        return "on" if value else "off"
+    if not isinstance(value, str) or value not in RDMA_MODES:
+        raise v.error("ddp_rdma", f"{short(value)} is not one of {', '.join(RDMA_MODES)}")
+    return value
 
 
 def _forks(v: _Vars) -> int | None:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ddp_train.launch.node.probe import rdma_ports
 
 if TYPE_CHECKING:
+    from ddp_train.launch.plan.inventory import Node
     from ddp_train.launch.plan.plan import JobPlan
     from ddp_train.launch.preflight.preflight_model import NodeCheck
 
@@ -38,6 +39,7 @@ class Port:
     state: str
     link_layer: str
     rate_gbps: float
+    netdev: str = ""  # a RoCE port's Ethernet interface (sysfs gid_attrs/ndevs/0)
 
     @property
     def name(self) -> str:
@@ -63,7 +65,10 @@ def ports_from_raw(raw: Iterable[Mapping[str, Any]]) -> list[Port]:
         state = str(e.get("state") or "UNKNOWN").split(":")[-1].strip().upper()
         m = RATE.match(str(e.get("rate") or ""))
         layer = str(e.get("link_layer") or "InfiniBand")
-        out.append(Port(str(e.get("hca")), str(e.get("port")), state, layer, float(m.group(1)) if m else 0.0))
+        rate = float(m.group(1)) if m else 0.0
+        out.append(
+            Port(str(e.get("hca")), str(e.get("port")), state, layer, rate, str(e.get("netdev") or ""))
+        )
     return out
 
 
@@ -98,31 +103,109 @@ def _disabled(env: Mapping[str, str]) -> bool:
     return str(env.get(DISABLE_ENV, "0")).strip() not in ("", "0")
 
 
-def check_cluster(checks: Sequence[NodeCheck]) -> None:
-    """Preflight: the GPU nodes must agree (all have an ACTIVE RDMA port, or none has); ports that are
-    not ACTIVE are named (a warning, a failure on a node left without any active port).
+@dataclasses.dataclass(frozen=True)
+class Transport:
+    """What NCCL will use between this node and the others, and why (doctor's line, the launch's notes).
 
-    GPU-less nodes run gloo, which never uses verbs, and are not compared; neither are
-    nodes whose ddp_env sets NCCL_IB_DISABLE=1 (TCP on purpose)."""
-    with_ports = {}
-    for c in checks:
-        if not c.facts or "rdma" not in c.facts or not int(c.facts.get("gpus") or 0):
-            continue
-        if _disabled(c.plan.env):
-            continue
-        with_ports[c.name] = (c, ports_from_raw(c.facts["rdma"]))
-    have = sorted(n for n, (_, ports) in with_ports.items() if any(p.active for p in ports))
-    lack = sorted(n for n in with_ports if n not in have)
-    for name, (c, ports) in with_ports.items():
+    `kind`: IB, RoCE, IB+RoCE (over `ports`), TCP (NCCL's socket transport on `iface`) or gloo (no GPU)."""
+
+    kind: str
+    why: str
+    ports: tuple[Port, ...] = ()
+    iface: str | None = None
+
+    @property
+    def rdma(self) -> bool:
+        return bool(self.ports)
+
+    def describe(self, name: str) -> str:
+        if self.ports:
+            over = ", ".join(p.name + (f" ({p.netdev})" if p.netdev else "") for p in self.ports)
+            return f"{name}: {self.kind} over {over} ({self.why})"
+        who, what = ("gloo", "gloo over TCP") if self.kind == "gloo" else ("NCCL", "TCP socket")
+        on = f"on {self.iface}" if self.iface else f"on the interface {who} picks (set ddp_network_cidr)"
+        return f"{name}: {what} {on} ({self.why})"
+
+
+def transport(c: NodeCheck) -> Transport | None:
+    """The transport of a probed node under its ddp_rdma (auto | on | off); None when it was not probed.
+
+    NCCL_IB_DISABLE=1 makes NCCL use IP sockets instead of IB/RoCE (NCCL docs, Environment Variables,
+    NCCL_IB_DISABLE: https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html#nccl-ib-disable);
+    otherwise NCCL's IB transport takes every port NCCL_IB_HCA names, RoCE ports included (NCCL_IB_HCA)."""
+    if not c.facts or "rdma" not in c.facts:
+        return None
+    env, mode = c.plan.env, c.plan.node.rdma
+    iface = c.facts.get("iface") or (env.get("NCCL_SOCKET_IFNAME") or "").lstrip("=") or None
+    if not int(c.facts.get("gpus") or 0):
+        return Transport("gloo", "no GPU: gloo, which never uses RDMA", iface=iface)
+    if mode == "off":
+        return Transport("TCP", f"ddp_rdma off: {DISABLE_ENV}=1", iface=iface)
+    if _disabled(env):
+        return Transport("TCP", f"{DISABLE_ENV}={env[DISABLE_ENV]} from ddp_env", iface=iface)
+    ports = ports_from_raw(c.facts["rdma"])
+    active = tuple(p for p in ports if p.active)
+    if not active:
+        return Transport("TCP", f"ddp_rdma {mode}: no ACTIVE RDMA port", iface=iface)
+    kinds = sorted({p.kind for p in active})
+    roce = [p for p in active if p.kind == "RoCE"]
+    why = f"ddp_rdma {mode}: " + ("ACTIVE ports, link layer Ethernet" if roce else "ACTIVE ports")
+    return Transport("+".join(kinds), why, ports=active)
+
+
+def check_cluster(checks: Sequence[NodeCheck]) -> None:
+    """Preflight: ddp_rdma on refuses a GPU node without an ACTIVE RDMA port; the GPU nodes must agree
+    (all use RDMA, or none does: NCCL would mix IB and TCP between nodes); ports that are not ACTIVE are
+    named (a warning).
+
+    GPU-less nodes run gloo, which never uses verbs, and are not compared."""
+    found = [(c, t) for c in checks if (t := transport(c)) is not None and t.kind != "gloo"]
+    have = sorted(c.name for c, t in found if t.rdma)
+    for c, t in found:
+        ports = ports_from_raw(c.facts["rdma"])
         down = [p.describe() for p in ports if not p.active]
-        if have and name in lack:
-            found = "; its ports: " + ", ".join(down) if down else " (no HCA in /sys/class/infiniband)"
+        where = "; its ports: " + ", ".join(down) if down else " (no HCA in /sys/class/infiniband)"
+        mode, env = c.plan.node.rdma, c.plan.env
+        tcp_by_env = _disabled(env) and mode != "off"  # NCCL_IB_DISABLE in ddp_env: TCP on purpose
+        if mode == "on" and not t.rdma:
+            if tcp_by_env:
+                c.fail(f"ddp_rdma is on but ddp_env sets {DISABLE_ENV}={env[DISABLE_ENV]}: drop one")
+            else:
+                c.fail(
+                    f"ddp_rdma is on but no RDMA port is ACTIVE{where}: bring the ports up (ibstat) "
+                    "or set ddp_rdma: off (TCP) or auto"
+                )
+        elif mode == "off" and DISABLE_ENV in env and not _disabled(env):
+            c.fail(f"ddp_rdma is off but ddp_env sets {DISABLE_ENV}={env[DISABLE_ENV]}: drop one")
+        elif not have or t.rdma or tcp_by_env:
+            if down and mode != "off" and not tcp_by_env:
+                c.warnings.append(f"RDMA ports not ACTIVE (NCCL skips them): {', '.join(down)}")
+        elif mode == "auto":
             c.fail(
-                f"no ACTIVE RDMA port{found}; but {', '.join(have)} have one: NCCL would mix IB and TCP "
-                f"between nodes. Bring the ports up (ibstat) or set {DISABLE_ENV}: '1' in ddp_env for TCP"
+                f"no ACTIVE RDMA port{where}; but {', '.join(have)} have one: NCCL would mix IB and TCP "
+                f"between nodes. Bring the ports up (ibstat) or set ddp_rdma: off (or --rdma off) for TCP"
             )
-        elif down:
-            c.warnings.append(f"RDMA ports not ACTIVE (NCCL skips them): {', '.join(down)}")
+        else:
+            c.fail(
+                f"uses TCP sockets ({t.why}) but {', '.join(have)} use RDMA: NCCL would mix IB and TCP "
+                "between nodes; set ddp_rdma the same on every node (or --rdma off)"
+            )
+
+
+def roce_notice(checks: Sequence[NodeCheck]) -> str | None:
+    """One line when ddp_rdma auto chose RoCE somewhere: RoCE wants a lossless fabric, and how to say TCP."""
+    nodes = [
+        c.name
+        for c in checks
+        if c.plan.node.rdma == "auto" and (t := transport(c)) is not None and "RoCE" in t.kind
+    ]
+    if not nodes:
+        return None
+    return (
+        f"RoCE chosen on {', '.join(nodes)} (ddp_rdma auto: an ACTIVE port with link layer Ethernet); "
+        "RoCE needs a switch tuned for it (PFC or ECN), an untuned one drops and stalls it: "
+        "ddp_rdma: off (or --rdma off) trains over TCP sockets, ddp_rdma: on keeps RoCE without this note"
+    )
 
 
 def ib_hca_env(checks: Sequence[NodeCheck]) -> tuple[dict[str, str], list[str]]:
@@ -133,11 +216,10 @@ def ib_hca_env(checks: Sequence[NodeCheck]) -> tuple[dict[str, str], list[str]]:
     values: dict[str, str] = {}
     notes: list[str] = []
     for c in checks:
-        if not c.facts or not int(c.facts.get("gpus") or 0) or _disabled(c.plan.env):
+        t = transport(c)
+        if t is None or not t.rdma:
             continue
-        value = ib_hca_value(ports_from_raw(c.facts.get("rdma") or []))
-        if not value:
-            continue
+        value = ib_hca_value(t.ports)
         user = c.plan.env.get(ENV)
         if user is not None:
             notes.append(f"{c.name}: {ENV}={user} from ddp_env (the active ports are {value[1:]})")
@@ -147,16 +229,46 @@ def ib_hca_env(checks: Sequence[NodeCheck]) -> tuple[dict[str, str], list[str]]:
     return values, notes
 
 
+def transport_env(checks: Sequence[NodeCheck]) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """Per node, what the launcher adds for its transport (NCCL_IB_HCA; NCCL_IB_DISABLE=1 under ddp_rdma
+    off), and the notes to log: one per node, then the RoCE notice. NCCL_SOCKET_IFNAME comes from netif
+    (the interface in ddp_network_cidr), for TCP as for NCCL's bootstrap."""
+    hca, notes = ib_hca_env(checks)
+    values = {name: {ENV: v} for name, v in hca.items()}
+    for c in checks:
+        t = transport(c)
+        if t is not None and c.plan.node.rdma == "off" and t.kind == "TCP" and DISABLE_ENV not in c.plan.env:
+            values[c.name] = {DISABLE_ENV: "1"}
+            notes.append(f"{c.name}: {DISABLE_ENV}=1 (ddp_rdma off)")
+    if notice := roce_notice(checks):
+        notes.append(notice)
+    return values, notes
+
+
+def with_mode_env(node: Node) -> Node:
+    """The node with NCCL_IB_DISABLE=1 in its env under ddp_rdma off, from the plan on: --dry-run shows
+    it and --skip-preflight keeps it (a value in ddp_env stays; preflight refuses one that is not 1)."""
+    if node.rdma != "off" or DISABLE_ENV in node.env:
+        return node
+    return dataclasses.replace(node, env={**node.env, DISABLE_ENV: "1"})
+
+
 def with_ib_hca(plan: JobPlan, checks: Sequence[NodeCheck]) -> tuple[JobPlan, list[str]]:
-    """The job plan with NCCL_IB_HCA added to the env of each node that has active ports, and the notes."""
-    values, notes = ib_hca_env(checks)
+    """The job plan with each node's transport env added (`transport_env`), and the notes."""
+    values, notes = transport_env(checks)
     if not values:
         return plan, notes
     nodes = tuple(
-        dataclasses.replace(p, env={**p.env, ENV: values[p.node.name]}) if p.node.name in values else p
+        dataclasses.replace(p, env={**p.env, **values[p.node.name]}) if p.node.name in values else p
         for p in plan.nodes
     )
     return dataclasses.replace(plan, nodes=nodes), notes
+
+
+def doctor_lines(checks: Sequence[NodeCheck]) -> list[str]:
+    """`ddp-launch doctor`: which transport each probed node will use and why, then what a launch sets."""
+    lines = [t.describe(c.name) for c in checks if (t := transport(c)) is not None]
+    return lines + transport_env(checks)[1]
 
 
 # --- NCCL's INFO log ------------------------------------------------------------------------------

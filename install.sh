@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Install the controller side of ddp-train from this clone: a venv with the project (editable: a
+# `git pull` here updates it) and everything constraints.txt pins, ansible among them (the `ansible`
+# package carries the collections the playbooks use: community.general, containers.podman, ...), then
+# links ddp-launch, ddp-train and the ansible commands into a bin directory on PATH.
+#
+#   ./install.sh [--prefix DIR] [--bin DIR]
+#     --prefix DIR   where the venv goes [${XDG_DATA_HOME:-~/.local/share}/ddp-train]
+#     --bin DIR      where the commands are linked [~/.local/bin]
+#   DDP_PYTHON=/path/to/python3.11 ./install.sh    # pick the interpreter (>= 3.11, as ansible-core needs)
+#
+# Linux or macOS (Homebrew's python@3.11 or newer). Re-running it updates the venv in place.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+prefix=${XDG_DATA_HOME:-$HOME/.local/share}/ddp-train
+bin=$HOME/.local/bin
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --prefix) prefix=${2:?--prefix needs a directory}; shift 2 ;;
+    --bin) bin=${2:?--bin needs a directory}; shift 2 ;;
+    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "install.sh: unknown option '$1' (known: --prefix DIR, --bin DIR)" >&2; exit 2 ;;
+  esac
+done
+COMMANDS="ddp-launch ddp-train ansible ansible-playbook ansible-galaxy ansible-inventory ansible-config"
+
+pick_python() {
+  for p in ${DDP_PYTHON:-} python3.13 python3.12 python3.11 python3; do
+    if command -v "$p" >/dev/null && "$p" -c 'import sys, venv; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+      command -v "$p"; return 0
+    fi
+  done
+  return 1
+}
+if ! PY=$(pick_python); then
+  echo "install.sh: need Python >= 3.11 with the venv module (Linux: python3.11 and python3.11-venv from" \
+       "the distribution; macOS: brew install python@3.11), or set DDP_PYTHON" >&2
+  exit 1
+fi
+
+venv=$prefix/venv
+echo "install.sh: venv $venv ($("$PY" -V 2>&1))"
+"$PY" -m venv "$venv"
+# pip warns once per package about a machine's file:// index mirrors; keep the output readable.
+quiet_pip() { "$venv/bin/python" -m pip "$@" 2>&1 | { grep -v "^WARNING: Location 'file:" || true; }; }
+quiet_pip install -q --upgrade pip
+quiet_pip install -q -c constraints.txt -e .
+for c in $COMMANDS; do
+  [ -x "$venv/bin/$c" ] || { echo "install.sh: $venv/bin/$c missing after pip install" >&2; exit 1; }
+done
+
+mkdir -p "$bin"
+for c in $COMMANDS; do
+  ln -sfn "$venv/bin/$c" "$bin/$c"  # console scripts run the venv's python by their #! line
+done
+"$bin/ddp-launch" --help >/dev/null
+echo "install.sh: $("$bin/ansible-playbook" --version | head -1); linked into $bin: $COMMANDS"
+case ":$PATH:" in
+  *":$bin:"*) ;;
+  *) echo "install.sh: $bin is not on PATH; add it: export PATH=\"$bin:\$PATH\" (in ~/.bashrc or ~/.zshrc)" ;;
+esac
