@@ -80,6 +80,7 @@ class Node:
     gpu_health: str = "strict"  # ddp_gpu_health: strict | warn | off (launch/preflight/gpuhealth.py)
     gpu_health_dcgm: bool = False  # ddp_gpu_health_dcgm: also run `dcgmi diag -r 1`
     forks: int | None = None  # ddp_forks: the default of --forks
+    gpu_idle_warn: float = 20.0  # ddp_gpu_idle_warn: `status` flags a node below it (mean GPU %) as starving
 
     @property
     def where(self) -> str:
@@ -340,7 +341,15 @@ def _node(loader: Any, variables: Any, host: Any, extra: Mapping[str, Any], wher
         gpu_health=_mode(v, "ddp_gpu_health", "strict"),
         gpu_health_dcgm=_flag(v, "ddp_gpu_health_dcgm"),
         forks=_forks(v),
+        gpu_idle_warn=_percent(v, "ddp_gpu_idle_warn", 20.0),
     )
+
+
+def _percent(v: _Vars, key: str, default: float) -> float:
+    value = v.get(key, default=default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:
+        raise v.error(key, f"must be a number of percent from 0 to 100, got {value!r}")
+    return float(value)
 
 
 def _forks(v: _Vars) -> int | None:
