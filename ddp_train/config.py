@@ -140,6 +140,8 @@ class LogConfig:
     progress: str = "auto"
     peak_tflops: float | None = None
     tensorboard: bool = False
+    prometheus: bool = False
+    prometheus_textfile: str = "/var/lib/prometheus/node-exporter/ddp_train.prom"
 
 
 @dataclass

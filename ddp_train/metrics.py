@@ -1,10 +1,13 @@
-"""Rank-0 logging, the per-run JSONL metrics file, a TTY progress bar, and MFU."""
+"""Rank-0 logging, the per-run JSONL metrics file, a TTY progress bar, MFU, and the Prometheus textfile."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -128,6 +131,8 @@ def open_outputs(cfg: Any, is_main: bool, logger: logging.Logger) -> tuple[Progr
     with storage.guarded("opening the metrics file", path):
         writer = JsonlWriter(path if is_main and cfg.log.jsonl else None)
     writer = tbwriter.tee(writer, cfg, is_main)
+    if is_main and cfg.log.prometheus:
+        writer = PromTextfile(writer, Path(cfg.log.prometheus_textfile), cfg.run_dir.name)
     if is_main:
         with storage.guarded("writing the run's config", cfg.run_dir / "config.yaml"):
             (cfg.run_dir / "config.yaml").write_text(dump_yaml(cfg), encoding="utf-8")
@@ -154,3 +159,67 @@ class JsonlWriter:
         if self._f is not None:
             self._f.close()
             self._f = None
+
+
+# The step record's fields log.prometheus exposes: (record key, metric, help).
+PROM_FIELDS = (
+    ("step", "ddp_train_step", "The latest optimizer step rank 0 reported."),
+    ("loss", "ddp_train_loss", "Training loss at that step (mean over ranks)."),
+    ("val_loss", "ddp_train_val_loss", "The latest validation loss."),
+    ("tokens_per_s", "ddp_train_tokens_per_second", "Training tokens/s over the last log interval."),
+    ("mfu", "ddp_train_mfu_ratio", "Model FLOPs utilisation over the last log interval."),
+)
+
+
+class PromTextfile:
+    """Rank 0's latest step metrics in a node exporter textfile (log.prometheus), replaced atomically at
+    every record (temporary file in the same directory, rename): node_exporter serves the file on its
+    own port; the trainer opens none. val_loss keeps its last value between evaluations."""
+
+    def __init__(self, inner: Any, path: Path, run: str) -> None:
+        self.inner, self.path = inner, path
+        self.labels = 'run="{}"'.format(run.replace("\\", "\\\\").replace('"', '\\"'))
+        self.values: dict[str, float] = {}
+        try:
+            self._replace()
+        except OSError as exc:  # before the first step: one line naming the setting, not a traceback
+            from ddp_train.config import ConfigError
+
+            raise ConfigError(
+                "config", "log.prometheus_textfile",
+                f"cannot write {path}: {exc.strerror or exc}; it must be in a directory this user can write "
+                "(the monitoring role's textfile directory is)",
+            ) from exc  # fmt: skip
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.inner.write(record)
+        for key, *_ in PROM_FIELDS:
+            value = record.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.values[key] = float(value)
+        with storage.guarded("writing the Prometheus textfile", self.path):
+            self._replace()
+
+    def _replace(self) -> None:
+        lines = []
+        for key, metric, help_ in PROM_FIELDS:
+            if key in self.values:
+                lines += [f"# HELP {metric} {help_}", f"# TYPE {metric} gauge"]
+                lines.append(f"{metric}{{{self.labels}}} {self.values[key]!r}")
+        lines += [
+            "# HELP ddp_train_last_update_timestamp_seconds When rank 0 last wrote this file.",
+            "# TYPE ddp_train_last_update_timestamp_seconds gauge",
+            f"ddp_train_last_update_timestamp_seconds{{{self.labels}}} {time.time():.3f}",
+        ]
+        fd, tmp = tempfile.mkstemp(prefix=".ddp-train-", suffix=".tmp", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write("\n".join(lines) + "\n")
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, self.path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+
+    def close(self) -> None:
+        self.inner.close()

@@ -265,3 +265,39 @@ def test_the_slurm_groups_are_the_roles_variables(playbook, tmp_path):
     # under the default names the groups do not exist: no Slurm ports at all
     got = _render(playbook, tmp_path, inventory=inventory, rules_host="node0")
     assert "6817" not in got["nft"]
+
+
+def _monitored_inventory(tmp_path, monitoring_host: str = "node0") -> str:
+    hosts = {name: {"cluster_hosts_address": ip, "ansible_connection": "local"} for name, ip in NODES.items()}
+    inv = {
+        "all": {
+            "hosts": {"localhost": None},
+            "children": {"gpu_nodes": {"hosts": hosts}, "monitoring": {"hosts": {monitoring_host: None}}},
+        }
+    }
+    path = tmp_path / "inventory.yml"
+    path.write_text(yaml.safe_dump(inv))
+    return str(path)
+
+
+def test_the_exporter_port_is_open_to_the_monitoring_host_only(playbook, tmp_path):
+    got = _render(playbook, tmp_path, inventory=_monitored_inventory(tmp_path), rules_host="node1")
+    exporter = [r for r in got["rich_rules"] if 'port="9100"' in r]
+    assert exporter == [
+        'rule family="ipv4" source address="10.1.0.10" port port="9100" protocol="tcp" accept'
+    ]
+    nft = got["nft"]
+    assert (
+        "set monitoring_sources {\n\t\ttype ipv4_addr\n\t\tflags interval\n\t\telements = { 10.1.0.10 }"
+        in nft
+    )
+    accept = nft.index("ip saddr @monitoring_sources tcp dport { 9100 } accept")
+    assert accept < nft.index('tcp dport { 9100 } counter drop comment "ddp-train: not the monitoring host"')
+    # DCGM's exporter port joins it; without a monitoring group neither is decided by the role
+    dcgm = _render(
+        playbook, tmp_path, inventory=_monitored_inventory(tmp_path), rules_host="node1",
+        monitoring_gpu_exporter="dcgm",
+    )  # fmt: skip
+    assert "ip saddr @monitoring_sources tcp dport { 9100, 9400 } accept" in dcgm["nft"]
+    plain = _render(playbook, tmp_path, inventory=_inventory(tmp_path, NODES))
+    assert "monitoring" not in plain["nft"] and not [r for r in plain["rich_rules"] if "9100" in r]

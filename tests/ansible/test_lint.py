@@ -10,7 +10,7 @@ from tests.ansible.conftest import REPO_ROOT, run, tool_env
 # The project's Ansible content (inventory/testbed* is generated, inventory/local is the launcher's).
 ANSIBLE_PATHS = ["site.yml", "playbooks", "roles", "molecule", "inventory/prod"]
 YAML_PATHS = [*ANSIBLE_PATHS, ".ansible-lint", ".yamllint"]
-SCENARIOS = ["default", "el9", "el10", "slurm"]
+SCENARIOS = ["default", "el9", "el10", "slurm", "monitoring"]
 
 
 def test_ansible_lint_config_is_production_with_an_empty_skip_list():
@@ -42,10 +42,10 @@ def test_site_yml_syntax_check(venv_bin):
     assert "playbook: site.yml" in res.stdout
 
 
-def test_site_yml_imports_the_six_playbooks_in_order():
+def test_site_yml_imports_the_seven_playbooks_in_order():
     plays = yaml.safe_load((REPO_ROOT / "site.yml").read_text())
     imported = [p["ansible.builtin.import_playbook"] for p in plays]
-    names = ("preflight", "base", "gpu", "pytorch", "slurm", "verify")
+    names = ("preflight", "base", "gpu", "pytorch", "slurm", "verify", "monitoring")
     assert imported == [f"playbooks/{n}.yml" for n in names]
 
 

@@ -253,6 +253,10 @@ def _status(job_dir: Path, data: dict[str, Any]) -> int:
         ])  # fmt: skip
     print(table(["HOST", "RANK", "STEP", "LOSS", "TOK/S", "ETA", "LAST OUTPUT"], rows))
     print("(step, loss, tok/s: rank 0's latest step line; every rank is at the same step under DDP)")
+    if jobstate.effective_state(data) in jobstate.LIVE:  # GPU use now, one nvidia-smi per node (gpuuse.py)
+        from ddp_train.launch.jobs import gpuuse
+
+        print("\n".join(gpuuse.lines(data, live=True)))
     from ddp_train.launch.jobs.metricsview import refresh
 
     for line in refresh(job_dir, data):

@@ -82,6 +82,7 @@ class Node:
     gpu_health_dcgm: bool = False  # ddp_gpu_health_dcgm: also run `dcgmi diag -r 1`
     forks: int | None = None  # ddp_forks: the default of --forks
     rdma: str = "auto"  # ddp_rdma: auto | on | off (launch/preflight/rdma.py; --rdma wins)
+    gpu_idle_warn: float = 20.0  # ddp_gpu_idle_warn: `status` flags a node below it (mean GPU %) as starving
 
     @property
     def where(self) -> str:
@@ -343,6 +344,7 @@ def _node(loader: Any, variables: Any, host: Any, extra: Mapping[str, Any], wher
         gpu_health_dcgm=_flag(v, "ddp_gpu_health_dcgm"),
         forks=_forks(v),
         rdma=_rdma(v),
+        gpu_idle_warn=_percent(v, "ddp_gpu_idle_warn", 20.0),
     )
 
 
@@ -353,6 +355,13 @@ def _rdma(v: _Vars) -> str:
     if not isinstance(value, str) or value not in RDMA_MODES:
         raise v.error("ddp_rdma", f"{short(value)} is not one of {', '.join(RDMA_MODES)}")
     return value
+
+
+def _percent(v: _Vars, key: str, default: float) -> float:
+    value = v.get(key, default=default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:
+        raise v.error(key, f"must be a number of percent from 0 to 100, got {value!r}")
+    return float(value)
 
 
 def _forks(v: _Vars) -> int | None:

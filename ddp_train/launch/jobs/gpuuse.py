@@ -1,0 +1,98 @@
+"""GPU use per node for `ddp-launch status JOB`: one `nvidia-smi --query-gpu` per node over SSH (the
+job's inventory, from its command line), summed up as mean/min utilization, memory used and the least
+busy GPU. A node whose GPUs average below ddp_gpu_idle_warn (default 20 %) while the job runs is
+flagged starving (input pipeline, a straggler's wait, a hung rank); CPU-only nodes show "-"."""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+FIELDS = ("index", "utilization.gpu", "memory.used", "memory.total")
+QUERY = shlex.join(["nvidia-smi", f"--query-gpu={','.join(FIELDS)}", "--format=csv,noheader,nounits"])
+# Run on the node: no nvidia-smi (CPU-only node) says so instead of failing.
+COMMAND = f"command -v nvidia-smi >/dev/null 2>&1 || {{ echo no-nvidia-smi; exit 0; }}; {QUERY}"
+HEADERS = ["HOST", "GPUS", "UTIL MEAN/MIN", "MEM USED", "LEAST BUSY", "NOTE"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    index: int
+    util: float  # percent
+    used_mib: float
+    total_mib: float
+
+
+def parse(output: str) -> list[Gpu] | None:
+    """The GPUs in `nvidia-smi --query-gpu` CSV output; None when the node has none (or no driver)."""
+    gpus = []
+    for line in output.splitlines():
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) != len(FIELDS):
+            continue
+        try:
+            gpus.append(Gpu(int(cells[0]), float(cells[1]), float(cells[2]), float(cells[3])))
+        except ValueError:  # [N/A] utilization (MIG) and the like: not counted
+            continue
+    return gpus or None
+
+
+def row(host: str, gpus: list[Gpu] | None, idle_warn: float, live: bool, error: str = "") -> list[str]:
+    """One table row; a live job's node below `idle_warn` percent on average is flagged starving."""
+    if error:
+        return [host, "?", "?", "?", "?", error]
+    if not gpus:
+        return [host, "-", "-", "-", "-", ""]
+    utils = [g.util for g in gpus]
+    mean = sum(utils) / len(utils)
+    least = min(gpus, key=lambda g: (g.util, g.index))
+    used = sum(g.used_mib for g in gpus) / 1024
+    total = sum(g.total_mib for g in gpus) / 1024
+    flag = f"STARVING (< {idle_warn:g} %)" if live and mean < idle_warn else ""
+    return [host, str(len(gpus)), f"{mean:.0f}/{min(utils):.0f} %", f"{used:.1f}/{total:.0f} GiB",
+            f"GPU {least.index} {least.util:.0f} %", flag]  # fmt: skip
+
+
+def _hosts_arg(argv: Sequence[str]) -> str | None:
+    for i, a in enumerate(argv):
+        if a == "--hosts" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--hosts="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def lines(data: dict[str, Any], live: bool) -> list[str]:
+    """The GPU table of a job (job.json `data`), or one line saying why there is none."""
+    from ddp_train.launch.plan.inventory import load_nodes
+    from ddp_train.launch.remote.fanout import parallel
+    from ddp_train.launch.remote.remote import open_session
+    from ddp_train.launch.run.logs import table
+
+    hosts = _hosts_arg(data.get("argv") or [])
+    if not hosts:
+        return ["gpu: the job's command names no --hosts inventory"]
+    path = hosts if Path(hosts).is_absolute() or "," in hosts else str(Path(data.get("cwd") or ".") / hosts)
+    wanted = [n.get("host") for n in data.get("nodes") or []]
+    try:
+        nodes = [n for n in load_nodes([path]) if n.name in wanted]
+    except Exception as e:  # noqa: BLE001 - an inventory changed since the launch: say so, keep status
+        return [f"gpu: cannot read the job's inventory {hosts}: {e}"]
+
+    def query(node: Any) -> list[str]:
+        try:
+            session = open_session(node)
+            try:
+                code, out = session.exec(COMMAND, timeout=20)
+            finally:
+                session.close()
+        except Exception as e:  # noqa: BLE001 - one node's failure is its row, not the command's
+            return row(node.name, None, node.gpu_idle_warn, live, error=str(e).splitlines()[0][:80])
+        if code != 0:
+            return row(node.name, None, node.gpu_idle_warn, live, error=f"nvidia-smi exit {code}")
+        return row(node.name, None if "no-nvidia-smi" in out else parse(out), node.gpu_idle_warn, live)
+
+    return table(HEADERS, parallel(query, nodes)).splitlines()

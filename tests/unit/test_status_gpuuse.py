@@ -1,0 +1,69 @@
+"""`ddp-launch status`'s GPU table (launch/jobs/gpuuse.py) from recorded nvidia-smi answers: the idle
+GPU 2 of the 4-GPU recording, a starving node, a CPU-only node, and the inventory's threshold."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ddp_train.launch.errors import LaunchError
+from ddp_train.launch.jobs import gpuuse
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gpu"
+
+
+def _answer(tmp_path: Path, recording: Path) -> str:
+    """What the fake nvidia-smi prints for the query status runs on a node."""
+    argv = ["python3", str(FIXTURES / "fake" / "nvidia-smi"), *gpuuse.QUERY.split()[1:]]
+    res = subprocess.run(argv, env={"DDP_FAKE_GPU_DIR": str(recording), "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    return res.stdout
+
+
+def test_a_busy_node_with_one_idle_gpu(tmp_path: Path) -> None:
+    gpus = gpuuse.parse(_answer(tmp_path, FIXTURES / "monitoring"))
+    assert gpus is not None and [g.util for g in gpus] == [97, 95, 0, 96]
+    assert gpuuse.row("node0", gpus, 20.0, live=True) == [
+        "node0", "4", "72/0 %", "179.9/319 GiB", "GPU 2 0 %", "",
+    ]  # fmt: skip
+
+
+def test_a_starving_node_is_flagged_while_the_job_runs_only() -> None:
+    gpus = gpuuse.parse("0, 5, 1000, 81559\n1, 12, 1000, 81559\n")
+    assert gpuuse.row("node1", gpus, 20.0, live=True)[-1] == "STARVING (< 20 %)"
+    assert gpuuse.row("node1", gpus, 20.0, live=False)[-1] == ""
+    assert gpuuse.row("node1", gpus, 5.0, live=True)[-1] == ""  # ddp_gpu_idle_warn: 5
+
+
+def test_cpu_only_and_unreachable_nodes() -> None:
+    assert gpuuse.parse("No devices were found\n") is None
+    assert gpuuse.row("node2", None, 20.0, live=True) == ["node2", "-", "-", "-", "-", ""]
+    assert gpuuse.row("node3", None, 20.0, live=True, error="timed out")[1:5] == ["?"] * 4
+
+
+def test_the_threshold_comes_from_the_inventory(tmp_path: Path) -> None:
+    from ddp_train.launch.plan.inventory import load_nodes
+
+    inv = tmp_path / "hosts.yml"
+    inv.write_text("all:\n  hosts:\n    n0: {ansible_connection: local, ddp_gpu_idle_warn: 35}\n")
+    assert load_nodes([str(inv)])[0].gpu_idle_warn == 35.0
+    inv.write_text("all:\n  hosts:\n    n0: {ansible_connection: local, ddp_gpu_idle_warn: 150}\n")
+    with pytest.raises(LaunchError, match="ddp_gpu_idle_warn: must be a number of percent from 0 to 100"):
+        load_nodes([str(inv)])
+
+
+def test_the_status_of_a_live_local_job_has_the_gpu_table(tmp_path: Path, monkeypatch) -> None:
+    """A local node whose PATH has the fake nvidia-smi: one query, one row."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_bytes((FIXTURES / "fake" / "nvidia-smi").read_bytes())
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setenv("DDP_FAKE_GPU_DIR", str(FIXTURES / "monitoring"))
+    (tmp_path / "hosts.yml").write_text("all:\n  hosts:\n    n0: {ansible_connection: local}\n")
+    data = {"argv": ["--hosts", "hosts.yml"], "cwd": str(tmp_path), "nodes": [{"host": "n0", "rank": 0}]}
+    out = gpuuse.lines(data, live=True)
+    assert out[0].split() == ["HOST", "GPUS", "UTIL", "MEAN/MIN", "MEM", "USED", "LEAST", "BUSY", "NOTE"]
+    assert out[1].split()[:3] == ["n0", "4", "72/0"], out
