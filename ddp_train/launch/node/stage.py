@@ -94,10 +94,10 @@ def inspect(dest: str, cidr: str, wanted: dict[str, list[Any]]) -> dict[str, Any
     return r
 
 
-def finish(dest: str, rel: str, size: int, digest: str) -> bool:
-    """Check the part against its hash and rename it into place; a bad part is removed (False)."""
+def finish(dest: str, rel: str, size: int, digest: str, got: str) -> bool:
+    """Rename the part into place if its hash (`got`, taken as it was written) is right; else remove it."""
     part = part_path(dest, digest)
-    if os.path.getsize(part) != size or sha256(part) != digest:
+    if os.path.getsize(part) != size or got != digest:
         os.unlink(part)
         return False
     final = safe(dest, rel)
@@ -106,17 +106,20 @@ def finish(dest: str, rel: str, size: int, digest: str) -> bool:
     return True
 
 
-def _open_part(dest: str, digest: str, offset: int) -> BinaryIO:
+def _open_part(dest: str, digest: str, offset: int) -> tuple[BinaryIO, Any]:
+    """The part, cut to `offset` and positioned there, and the sha256 of what it holds up to there."""
     os.makedirs(os.path.join(dest, PARTS), exist_ok=True)
     path = part_path(dest, digest)
     f = open(path, "r+b" if os.path.exists(path) else "w+b")  # noqa: SIM115 (closed by the caller)
     f.truncate(offset)
-    f.seek(offset)
-    return f
+    h = hashlib.sha256()
+    for block in iter(lambda: f.read(BLOCK), b""):
+        h.update(block)
+    return f, h
 
 
-def _copy(src: Any, out: BinaryIO, n: int, progress: list[int] | None = None) -> int:
-    """Copy n bytes from a reader with .read (a file) or .recv (a socket); the count actually copied."""
+def _copy(src: Any, out: BinaryIO, h: Any, n: int, progress: list[int] | None = None) -> int:
+    """Copy n bytes from a reader with .read (a file) or .recv (a socket), hashing them; the count copied."""
     read = src.recv if hasattr(src, "recv") else src.read
     done = 0
     while done < n:
@@ -124,6 +127,7 @@ def _copy(src: Any, out: BinaryIO, n: int, progress: list[int] | None = None) ->
         if not block:
             break
         out.write(block)
+        h.update(block)
         done += len(block)
         if progress is not None:
             progress[0] += len(block)
@@ -144,13 +148,15 @@ def recv(dest: str, stdin: BinaryIO) -> None:
             return
         rel, size, digest, offset = head["rel"], head["size"], head["sha256"], head["offset"]
         safe(dest, rel)
-        with _open_part(dest, digest, offset) as f:
-            got = _copy(stdin, f, size - offset)
+        f, h = _open_part(dest, digest, offset)
+        with f:
+            got = _copy(stdin, f, h, size - offset)
             f.flush()
             os.fsync(f.fileno())
         if got != size - offset:
             raise SystemExit(f"stage: {rel}: the controller went away after {offset + got} of {size} bytes")
-        print(FILE_MARK + json.dumps({"rel": rel, "ok": finish(dest, rel, size, digest)}), flush=True)
+        ok = finish(dest, rel, size, digest, h.hexdigest())
+        print(FILE_MARK + json.dumps({"rel": rel, "ok": ok}), flush=True)
 
 
 def serve(dest: str, address: str, stdin: BinaryIO) -> None:
@@ -191,14 +197,15 @@ def pull(dest: str, host: str, port: int, stdin: BinaryIO) -> None:
                 offset = 0
             offset = offset if offset <= size else 0
             conn = socket.create_connection((host, port), timeout=120)
-            with conn, _open_part(dest, digest, offset) as f:
+            f, h = _open_part(dest, digest, offset)
+            with conn, f:
                 conn.sendall(token + b"\n" + json.dumps({"rel": rel, "offset": offset}).encode() + b"\n")
-                got = _copy(conn, f, size - offset, progress)
+                got = _copy(conn, f, h, size - offset, progress)
                 f.flush()
                 os.fsync(f.fileno())
             if got != size - offset:
                 raise SystemExit(f"stage: {rel}: {host} sent {offset + got} of {size} bytes")
-            if finish(dest, rel, size, digest):
+            if finish(dest, rel, size, digest, h.hexdigest()):
                 print(FILE_MARK + json.dumps({"rel": rel, "ok": True, "resumed": offset}), flush=True)
                 break
         else:

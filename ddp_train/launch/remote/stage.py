@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import secrets
+import shutil
 import sys
 import threading
 import time
@@ -32,7 +33,7 @@ from ddp_train.launch.remote.fanout import parallel, set_forks
 from ddp_train.storage import size_text
 
 if TYPE_CHECKING:
-    from ddp_train.launch.remote.remote import Session
+    from ddp_train.launch.remote.remote import Session, Stream
 
 CHUNK = 1 << 20
 Wanted = dict[str, list[Any]]  # rel -> [size, sha256]
@@ -132,27 +133,57 @@ def _inspect(session: Session, node: Node, where: str, source: Source) -> dict[s
     return found
 
 
+def _recv_stream(session: Session, node: Node, where: str, connect_timeout: float) -> Stream:
+    """`stage recv` on the node, fed through OpenSSH where it can be (with the launcher's SSH settings,
+    as --sync's rsync): paramiko's Python ciphers cap a stream at a few tens of MB/s on a busy machine."""
+    import subprocess
+
+    from ddp_train.launch.remote.remote import _LocalStream
+    from ddp_train.launch.remote.sync import ssh_command
+
+    cmd = command(node.venv, "stage", "recv", where)
+    if node.local or node.ssh is None or node.ssh.password or not shutil.which("ssh"):
+        return session.start(cmd, stdin=True)
+    argv = [*ssh_command(node.ssh, connect_timeout), "--", node.ssh.host, cmd]
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return _LocalStream(proc)
+
+
 def push(
-    session: Session, node: Node, where: str, source: Source, need: dict[str, int], progress: Progress
+    session: Session,
+    node: Node,
+    where: str,
+    source: Source,
+    need: dict[str, int],
+    progress: Progress,
+    connect_timeout: float = 10,
 ) -> int:
     """Stream the needed files over the SSH channel (from each part's end); the bytes sent."""
+    from ddp_train.launch.remote.remote import RemoteError
+
     sent, todo = 0, dict(need)
     for _ in range(2):  # a resumed part whose hash comes out wrong is sent again from its start
-        stream = session.start(command(node.venv, "stage", "recv", where), stdin=True)
+        stream = _recv_stream(session, node, where, connect_timeout)
+        lines: list[str] = []  # read while sending: a node blocked on its output would stop reading
+        reader = threading.Thread(target=lambda: lines.extend(stream.lines()), daemon=True)  # noqa: B023
+        reader.start()
         try:
-            for rel, offset in sorted(todo.items()):
-                size, digest = source.files[rel]
-                head = {"rel": rel, "size": size, "sha256": digest, "offset": offset}
-                stream.send(json.dumps(head).encode() + b"\n")
-                with open(os.path.join(source.root, rel), "rb") as f:
-                    f.seek(offset)
-                    for block in iter(lambda: f.read(CHUNK), b""):  # noqa: B023 (used at once)
-                        stream.send(block)
-                        sent += len(block)
-                        progress.add(len(block))
-            stream.send(b"{}\n")
+            try:
+                for rel, offset in sorted(todo.items()):
+                    size, digest = source.files[rel]
+                    head = {"rel": rel, "size": size, "sha256": digest, "offset": offset}
+                    stream.send(json.dumps(head).encode() + b"\n")
+                    with open(os.path.join(source.root, rel), "rb") as f:
+                        f.seek(offset)
+                        for block in iter(lambda: f.read(CHUNK), b""):  # noqa: B023 (used at once)
+                            stream.send(block)
+                            sent += len(block)
+                            progress.add(len(block))
+                stream.send(b"{}\n")
+            except RemoteError as e:  # the node stopped reading: what it said is the reason
+                lines.append(str(e))
             stream.close_stdin()
-            lines = list(stream.lines())
+            reader.join(3600)
             code, why = stream.wait(timeout=60)
         finally:
             stream.close()
@@ -269,7 +300,15 @@ def stage(
                     pending, key=lambda n: sum(source.files[r][0] - o for r, o in need[n.name].items())
                 )
                 pending.remove(seed)
-                sent = push(pool.get(seed), seed, wheres[seed.name], source, need[seed.name], progress)
+                sent = push(
+                    pool.get(seed),
+                    seed,
+                    wheres[seed.name],
+                    source,
+                    need[seed.name],
+                    progress,
+                    connect_timeout,
+                )
                 progress.end()
                 resumed = sum(1 for o in need[seed.name].values() if o)
                 say(
