@@ -25,6 +25,8 @@ EPILOG = (
   ddp-launch --hosts inventory/prod --detach               # returns once it runs; the monitor goes on
   ddp-launch jobs; ddp-launch status JOB; ddp-launch attach JOB; ddp-launch logs JOB -f --node gpu01
   ddp-launch stop JOB                                      # graceful: every rank saves
+  ddp-launch fetch JOB best --to results/                  # best.pt from rank 0's node (last, metrics)
+  ddp-launch restart JOB --exclude gpu03                   # the recorded command again, resuming
 
 """
     + exitcodes.LAUNCH_TABLE
@@ -33,7 +35,7 @@ EPILOG = (
 
 def build_parser() -> Parser:
     """ddp-launch's parser: run, doctor, check-script and the job commands (launch/jobs/jobcmds.py)."""
-    from ddp_train.launch.jobs import jobcmds
+    from ddp_train.launch.jobs import fetch, jobcmds
     from ddp_train.launch.remote import stage
 
     top = Parser(prog="ddp-launch", label="ddp-launch", hint="ddp-launch --help")
@@ -75,6 +77,7 @@ def build_parser() -> Parser:
     check.add_argument("script", metavar="SCRIPT")
     jobcmds.add_parsers(sub)
     stage.add_parser(sub)
+    fetch.add_parsers(sub)
     return top
 
 
