@@ -108,6 +108,8 @@ def test_restart_argv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         "--lr",
         "1",
     ]
+    data["argv"] = ["run", "--monitor", "--job-id", "d1", "--hosts", "inv"]  # what a detached job records
+    assert recorded.restart_argv("j", data, []) == ["run", "--hosts", "inv", "--detach"]
     data["argv"] = ["--hosts", "a,", "-e", "ansible_password=***"]
     with pytest.raises(LaunchError, match="masks a secret in 'ansible_password=\\*\\*\\*'"):
         recorded.restart_argv("j", data, [])

@@ -3,7 +3,8 @@
 
 `ddp-launch restart JOB [OPTIONS]` runs that command again from the recorded directory, as a new job: its
 --job-id and --fresh are dropped (a restart continues from the newest checkpoint, and says so on its
-first line), OPTIONS (e.g. `--exclude node0`) go after the recorded options, before the script or `--`.
+first line; a detached job detaches again), OPTIONS (e.g. `--exclude node0`) go after the recorded
+options, before the script or `--`.
 A value job.json masks (`--env NAME=***`) is taken from this shell's $NAME (as `--secret-env NAME`);
 without it the restart is refused with one line naming it.
 """
@@ -18,7 +19,7 @@ from typing import Any
 
 from ddp_train.launch.errors import LaunchError
 
-DROPPED = {"--job-id": 1, "--fresh": 0}  # option -> how many values follow it
+DROPPED = {"--job-id": 1, "--fresh": 0, "--monitor": 0}  # option -> how many values follow it
 
 
 def parsed(job_id: str, data: dict[str, Any]) -> tuple[list[str], argparse.Namespace]:
@@ -96,6 +97,8 @@ def restart_argv(job_id: str, data: dict[str, Any], extra: list[str]) -> list[st
             continue
         kept.append(a)
         i += 1
+    if "--monitor" in options:  # a detached job's monitor recorded it: detached again
+        kept.append("--detach")
     return ["run", *unmask(job_id, kept), *extra, *rest]
 
 
