@@ -164,3 +164,29 @@ def test_two_local_nodes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert "stage: l0: up to date" in out
     assert "stage: l1: 1 file(s) from l0" in out
     assert (tmp_path / "work 1/data/corpus/shards/1.bin").read_bytes() == blobs["shards/1.bin"]
+
+
+class Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_on_a_tty_and_lines_otherwise() -> None:
+    tty, said = Tty(), []
+    p = stage.Progress(100 << 20, tty)
+    say = p.wrap(lambda text: said.append((text, tty.getvalue())))
+    p.add(50 << 20)
+    assert tty.getvalue().startswith("\rstage: [" + "#" * 15 + " " * 15 + "] 50.0 MiB/100.0 MiB 50%")
+    say("stage: node1: ...")
+    assert said[0][1].endswith("\r\033[K")  # the bar is cleared before the line
+    p.add(50 << 20)
+    p.end()
+    assert (
+        tty.getvalue().endswith("100%" + tty.getvalue().rsplit("100%", 1)[1]) and tty.getvalue()[-1] == "\n"
+    )
+    plain = io.StringIO()
+    p = stage.Progress(100, plain)
+    for _ in range(100):
+        p.add(1)
+    lines = plain.getvalue().splitlines()
+    assert len(lines) == 11 and lines[-1].startswith("stage: 100 B/100 B 100%"), lines

@@ -95,7 +95,7 @@ class Progress:
     def __init__(self, total: int, out: Any = None) -> None:
         self.total, self.done, self.out = max(total, 1), 0, out or sys.stderr
         self.tty = bool(getattr(self.out, "isatty", lambda: False)())
-        self.lock, self.t0, self.shown = threading.Lock(), time.monotonic(), -1
+        self.lock, self.t0, self.shown, self.drawn = threading.Lock(), time.monotonic(), -1, False
 
     def add(self, n: int) -> None:
         with self.lock:
@@ -107,13 +107,28 @@ class Progress:
                 bar = "#" * (pct * 30 // 100)
                 self.out.write(f"\rstage: [{bar:<30}] {text}")
                 self.out.flush()
+                self.drawn = True
             elif pct // 10 > self.shown:
                 self.shown = pct // 10
                 print(f"stage: {text}", file=self.out, flush=True)
 
+    def wrap(self, say: Callable[[str], None]) -> Callable[[str], None]:
+        """`say` that first clears the bar (the next `add` draws it again below the line)."""
+
+        def said(text: str) -> None:
+            with self.lock:
+                if self.drawn:
+                    self.out.write("\r\033[K")
+                    self.out.flush()
+                    self.drawn = False
+                say(text)
+
+        return said
+
     def end(self) -> None:
-        if self.tty:
+        if self.drawn:
             self.out.write("\n")
+            self.drawn = False
 
 
 def _inspect(session: Session, node: Node, where: str, source: Source) -> dict[str, Any]:
@@ -294,6 +309,7 @@ def stage(
         if not pending:
             return 0
         progress = Progress(total, out)
+        say = progress.wrap(say)
         try:
             if not holders:  # the controller sends to the node that lacks least
                 seed = min(
