@@ -6,6 +6,8 @@
     ddp-launch check-script [--sync DIR] [-m] SCRIPT                  (the script check alone)
     ddp-launch [run] --detach ...; ddp-launch jobs | status JOB | logs JOB [-f] [--node H] | attach JOB |
     stop JOB                                                          (job control: launch/jobs/jobcmds.py)
+    ddp-launch stage SRC --to DEST --hosts INVENTORY                  (data on every node: remote/stage.py)
+    ddp-launch fetch JOB [best|last|metrics] [--to DIR]; restart JOB  (launch/jobs/fetch.py, recorded.py)
 
 The parser is launch/cliparse.py, the plan from its arguments launch/runargs.py, the launch itself
 launch/pipeline.py. Exit codes: ddp_train/exitcodes.py (`ddp-launch --help` shows the table).
@@ -28,6 +30,7 @@ if TYPE_CHECKING:  # the heavy modules load only when a command needs them
 
 MONITOR_ARGS = "--monitor-args-file"  # what --detach starts: `cli --monitor-args-file FILE`
 COMMANDS = ("run", "doctor", "check-script", "jobs", "status", "logs", "attach", "stop")
+COMMANDS += ("stage", "fetch", "restart")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -79,6 +82,14 @@ def _main(argv: Sequence[str] | None) -> int:
     opts = parser.parse_args(args)
     if opts.command == "check-script":
         return _check_script_command(opts)
+    if opts.command == "stage":
+        from ddp_train.launch.remote.stage import main as stage_command
+
+        return stage_command(opts)
+    if opts.command in ("fetch", "restart"):
+        from ddp_train.launch.jobs.fetch import main as results_command
+
+        return results_command(opts)
     if opts.command not in ("run", "doctor"):
         from ddp_train.launch.jobs.jobcmds import main as job_command
 

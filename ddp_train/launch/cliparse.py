@@ -20,10 +20,13 @@ EPILOG = (
   ddp-launch --hosts inventory/prod --dry-run -- --extra-trainer-arg
   ddp-launch --hosts inventory/prod --sync . train.py --epochs 3   # your own script, shipped to every node
   ddp-launch --hosts inventory/prod --sync . -m mypkg.train --lr 3e-4
+  ddp-launch stage ./data/tokens --to data/tokens --hosts inventory/prod   # data on every node
   ddp-launch check-script train.py                         # the DDP mistakes in a script, nothing runs
   ddp-launch --hosts inventory/prod --detach               # returns once it runs; the monitor goes on
   ddp-launch jobs; ddp-launch status JOB; ddp-launch attach JOB; ddp-launch logs JOB -f --node gpu01
   ddp-launch stop JOB                                      # graceful: every rank saves
+  ddp-launch fetch JOB best --to results/                  # best.pt from rank 0's node (last, metrics)
+  ddp-launch restart JOB --exclude gpu03                   # the recorded command again, resuming
 
 """
     + exitcodes.LAUNCH_TABLE
@@ -32,7 +35,8 @@ EPILOG = (
 
 def build_parser() -> Parser:
     """ddp-launch's parser: run, doctor, check-script and the job commands (launch/jobs/jobcmds.py)."""
-    from ddp_train.launch.jobs import jobcmds
+    from ddp_train.launch.jobs import fetch, jobcmds
+    from ddp_train.launch.remote import stage
 
     top = Parser(prog="ddp-launch", label="ddp-launch", hint="ddp-launch --help")
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -72,6 +76,8 @@ def build_parser() -> Parser:
     )
     check.add_argument("script", metavar="SCRIPT")
     jobcmds.add_parsers(sub)
+    stage.add_parser(sub)
+    fetch.add_parsers(sub)
     return top
 
 

@@ -224,10 +224,16 @@ class _SshStream(Stream):
         return code, None
 
     def send(self, data: bytes) -> None:
-        try:
-            self.channel.sendall(data)
-        except (OSError, EOFError) as e:
-            raise RemoteError(f"cannot write to the command's stdin: {e}") from None
+        """All of `data`, however long the node takes to read it: the channel's POLL_S timeout also
+        bounds paramiko's wait for window space, and sendall would give up on a busy node."""
+        while data:
+            try:
+                data = data[self.channel.send(data) :]
+            except socket.timeout:
+                if self.channel.closed or not self.transport.is_active():
+                    raise RemoteError("cannot write to the command's stdin: the channel closed") from None
+            except (OSError, EOFError) as e:
+                raise RemoteError(f"cannot write to the command's stdin: {e}") from None
 
     def close_stdin(self) -> None:
         with contextlib.suppress(OSError, EOFError):

@@ -1,0 +1,179 @@
+"""`ddp-launch fetch JOB [best|last|metrics] [--to DIR]`: a packaged-trainer job's results from rank 0's node.
+
+The run directory is where job.json's "metrics" (rank 0's host and its metrics.jsonl) says; `best` is
+best.pt there, `last` the newest step-*.pt of checkpoint.dir (default <run dir>/checkpoints), `metrics`
+metrics.jsonl. The node hashes the file (node/results.py); the copy lands in DIR (default: here) under a
+temporary name and is renamed into place only when its sha256 matches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import posixpath
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ddp_train.launch.errors import LaunchError, one_line
+from ddp_train.launch.node import command, marked_json
+from ddp_train.launch.node.results import MARK
+
+WHAT = ("best", "last", "metrics")
+
+
+def dirs(job_id: str, data: dict[str, Any]) -> tuple[str, str, str]:
+    """(rank 0's host, run dir, checkpoint dir) on that node, from job.json and the recorded config."""
+    from ddp_train.launch.jobs.recorded import parsed
+
+    where = data.get("metrics")
+    if not isinstance(where, dict) or not where.get("path") or not where.get("host"):
+        raise LaunchError(
+            f"job {job_id}: job.json names no results (field metrics): only the packaged trainer's are known"
+        )
+    run_dir = posixpath.dirname(where["path"])
+    ckpt_dir = posixpath.join(run_dir, "checkpoints")
+    try:
+        from ddp_train.config import load_config
+
+        _, opts = parsed(job_id, data)
+        cfg = load_config(opts.config, list(opts.overrides))
+        suffix = posixpath.join(cfg.run.dir, cfg.run.name)
+        if cfg.checkpoint.dir:
+            base = run_dir[: -len(suffix)] if run_dir.endswith(suffix) else ""
+            c = str(cfg.checkpoint.dir)
+            ckpt_dir = c if posixpath.isabs(c) or c.startswith("~") else posixpath.join(base or ".", c)
+    except Exception:  # noqa: BLE001, S110 - a config that changed since: the default layout
+        pass
+    return where["host"], run_dir, ckpt_dir
+
+
+def rank0_node(job_id: str, data: dict[str, Any], host: str) -> Any:
+    from ddp_train.launch.cliparse import DEFAULT_INVENTORY
+    from ddp_train.launch.jobs.recorded import parsed
+    from ddp_train.launch.plan.inventory import load_nodes
+
+    _, opts = parsed(job_id, data)
+    nodes = load_nodes(opts.hosts or [DEFAULT_INVENTORY], group=opts.group, extra_vars=opts.extra_vars)
+    found = [n for n in nodes if n.name == host]
+    if not found:
+        raise LaunchError(f"job {job_id}: rank 0's host {host} is no longer in the inventory")
+    return found[0]
+
+
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fetch(job_id: str, data: dict[str, Any], what: str, to: str, connect_timeout: float = 10) -> str:
+    """Copy the file; its local path. LaunchError (one line) if it cannot."""
+    from ddp_train.launch.jobs.recorded import in_recorded_dir
+    from ddp_train.launch.remote.remote import RemoteError, open_session
+
+    out_dir = Path(to).expanduser().resolve()
+    here = os.getcwd()
+    in_recorded_dir(job_id, data)  # the recorded --hosts and --config are relative to it
+    try:
+        host, run_dir, ckpt_dir = dirs(job_id, data)
+        node = rank0_node(job_id, data, host)
+    finally:
+        os.chdir(here)
+    try:
+        session = open_session(node, connect_timeout)
+        try:
+            code, out = session.exec(command(node.venv, "results", what, run_dir, ckpt_dir), timeout=3600)
+            found = marked_json(out, MARK) if code == 0 else None
+            if not isinstance(found, dict):
+                raise LaunchError(
+                    f"{host}: {one_line(out.strip().splitlines()[-1] if out.strip() else f'exit {code}')}"
+                )
+            if "error" in found:
+                raise LaunchError(f"job {job_id}: {what} on {host}: {found['error']}")
+            out_dir.mkdir(parents=True, exist_ok=True)
+            final = out_dir / posixpath.basename(found["path"])
+            tmp = out_dir / f".{final.name}.{os.getpid()}.part"
+            if node.local or node.ssh is None:
+                shutil.copyfile(os.path.expanduser(found["path"]), tmp)
+            else:
+                try:
+                    session.connection.get(found["path"], str(tmp))  # type: ignore[attr-defined]
+                except Exception as e:  # paramiko/sftp raise IOError, SSHException...
+                    tmp.unlink(missing_ok=True)
+                    raise LaunchError(f"{host}: cannot copy {found['path']}: {one_line(str(e))}") from None
+        finally:
+            session.close()
+    except RemoteError as e:
+        raise LaunchError(str(e)) from None
+    got = sha256(str(tmp))
+    if got != found["sha256"]:
+        tmp.unlink()
+        raise LaunchError(
+            f"{host}:{found['path']}: sha256 {got[:16]} after the copy, {found['sha256'][:16]} there"
+        )
+    os.replace(tmp, final)
+    return f"{final} ({found['size']} bytes, sha256 {found['sha256'][:16]}, from {host}:{found['path']})"
+
+
+def load(job_id: str, log_dir: str) -> dict[str, Any]:
+    """job.json of JOB under log_dir; LaunchError (one line) for a bad id or a missing job."""
+    from ddp_train.launch.jobs import jobstate
+    from ddp_train.launch.jobs.jobcmds import JOB_ID
+
+    if not JOB_ID.match(job_id):
+        raise LaunchError(f"job {job_id!r}: not a job id (letters, digits, '.', '_', '-')")
+    data = jobstate.read_state(jobstate.state_path(log_dir, job_id))
+    if data is None:
+        raise LaunchError(f"no job {job_id!r} in {log_dir}/")
+    return data
+
+
+def add_parsers(sub: Any) -> None:
+    """`fetch` and `restart` (jobs/recorded.py) as subcommands of ddp-launch's parser."""
+    import argparse
+
+    p = sub.add_parser(
+        "fetch",
+        prog="ddp-launch fetch",
+        description="Copy a packaged-trainer job's best.pt (best), newest checkpoint (last) or metrics.jsonl "
+        "(metrics) from rank 0's node, where the run wrote them, hash-checked.",
+    )
+    p.add_argument("--log-dir", default="logs", metavar="DIR", help="where the jobs' logs are [logs]")
+    p.add_argument("job", metavar="JOB", help="job id (as `ddp-launch jobs` lists it)")
+    p.add_argument("what", nargs="?", default="best", choices=WHAT, help="best (default), last or metrics")
+    p.add_argument("--to", default=".", metavar="DIR", help="where the copy goes [.]")
+    p.add_argument("--connect-timeout", type=float, default=10, metavar="S", help="SSH connect timeout [10]")
+    r = sub.add_parser(
+        "restart",
+        prog="ddp-launch restart",
+        usage="ddp-launch restart [--log-dir DIR] JOB [launch options]",
+        description="Run a job's recorded command again (job.json), from its directory, as a new job that "
+        "resumes from the newest checkpoint: its --job-id and --fresh are dropped, the inventory is read "
+        "again, a masked --env NAME comes from this shell's $NAME. Launch options given here (e.g. "
+        "--exclude node0) are added after the recorded ones.",
+    )
+    r.add_argument("--log-dir", default="logs", metavar="DIR", help="where the jobs' logs are [logs]")
+    r.add_argument("job", metavar="JOB", help="job id (as `ddp-launch jobs` lists it)")
+    r.add_argument("extra", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+
+def main(opts: Any) -> int:
+    """`fetch` or `restart`: exit 0, or 2 with one line."""
+    import sys
+
+    from ddp_train import exitcodes
+
+    try:
+        data = load(opts.job, opts.log_dir)
+        if opts.command == "restart":
+            from ddp_train.launch.jobs.recorded import restart
+
+            return restart(opts.job, data, list(opts.extra))
+        print(f"fetch: {fetch(opts.job, data, opts.what, opts.to, opts.connect_timeout)}")
+        return exitcodes.OK
+    except LaunchError as e:
+        print(f"ddp-launch {opts.command}: error: {one_line(str(e), 1000)}", file=sys.stderr)
+        return exitcodes.BAD_INPUT

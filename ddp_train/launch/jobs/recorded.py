@@ -1,0 +1,114 @@
+"""A job's recorded command (job.json "argv", secrets masked, and "cwd"): read back for `restart` and
+`fetch`, with the inventory re-read as it is now.
+
+`ddp-launch restart JOB [OPTIONS]` runs that command again from the recorded directory, as a new job: its
+--job-id and --fresh are dropped (a restart continues from the newest checkpoint, and says so on its
+first line; a detached job detaches again), OPTIONS (e.g. `--exclude node0`) go after the recorded
+options, before the script or `--`.
+A value job.json masks (`--env NAME=***`) is taken from this shell's $NAME (as `--secret-env NAME`);
+without it the restart is refused with one line naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from typing import Any
+
+from ddp_train.launch.errors import LaunchError
+
+DROPPED = {"--job-id": 1, "--fresh": 0, "--monitor": 0}  # option -> how many values follow it
+
+
+def parsed(job_id: str, data: dict[str, Any]) -> tuple[list[str], argparse.Namespace]:
+    """(["run", options...], rest) and its parse; LaunchError (one line) if job.json has no usable command."""
+    from ddp_train.launch.cli import COMMANDS
+    from ddp_train.launch.cliparse import build_parser
+
+    argv = data.get("argv")
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+        raise LaunchError(f"job {job_id}: job.json records no command (field argv)")
+    args = list(argv) if argv[0] == "run" or argv[0] not in COMMANDS else None
+    if args is None:
+        raise LaunchError(f"job {job_id}: job.json's argv is a {argv[0]!r} command, not a launch")
+    if args[0] != "run":
+        args = ["run", *args]
+    try:
+        opts = build_parser().parse_args(args)
+    except SystemExit:
+        raise LaunchError(f"job {job_id}: job.json's argv no longer parses: {shlex.join(argv)}") from None
+    return args, opts
+
+
+def in_recorded_dir(job_id: str, data: dict[str, Any]) -> None:
+    """chdir to the job's recorded working directory: its paths (--hosts, --config) are relative to it."""
+    cwd = data.get("cwd")
+    if not isinstance(cwd, str) or not os.path.isdir(cwd):
+        raise LaunchError(f"job {job_id}: job.json field cwd: {cwd!r} is not a directory here")
+    os.chdir(cwd)
+
+
+def unmask(job_id: str, options: list[str]) -> list[str]:
+    """Masked `--env NAME=***` -> `--secret-env NAME` (its value from this shell); LaunchError otherwise."""
+    from ddp_train.launch.plan.plan import MASK
+
+    out: list[str] = []
+    i = 0
+    while i < len(options):
+        a = options[i]
+        pair = (
+            options[i + 1]
+            if a == "--env" and i + 1 < len(options)
+            else (a[6:] if a.startswith("--env=") else None)
+        )
+        if pair is not None and MASK in pair:
+            name = pair.split("=", 1)[0]
+            if name not in os.environ:
+                raise LaunchError(
+                    f"job {job_id}: --env {name} is masked in job.json; export {name} in this shell and "
+                    "restart again"
+                )
+            out += ["--secret-env", name]
+            i += 2 if a == "--env" else 1
+            continue
+        if MASK in a:
+            raise LaunchError(
+                f"job {job_id}: job.json masks a secret in {a!r}; run that command again by hand"
+            )
+        out.append(a)
+        i += 1
+    return out
+
+
+def restart_argv(job_id: str, data: dict[str, Any], extra: list[str]) -> list[str]:
+    """The command to run again (see the module doc)."""
+    args, opts = parsed(job_id, data)
+    rest = list(opts.rest)
+    options = args[1 : len(args) - len(rest)]
+    kept: list[str] = []
+    i = 0
+    while i < len(options):
+        a = options[i]
+        name = a.split("=", 1)[0]
+        if name in DROPPED:
+            i += 1 + (DROPPED[name] if "=" not in a else 0)
+            continue
+        kept.append(a)
+        i += 1
+    if "--monitor" in options:  # a detached job's monitor recorded it: detached again
+        kept.append("--detach")
+    return ["run", *unmask(job_id, kept), *extra, *rest]
+
+
+def restart(job_id: str, data: dict[str, Any], extra: list[str]) -> int:
+    from ddp_train.launch import cli
+
+    in_recorded_dir(job_id, data)
+    argv = restart_argv(job_id, data, extra)
+    print(
+        f"ddp-launch: restart of job {job_id} in {os.getcwd()}: ddp-launch {shlex.join(argv[1:])}",
+        file=sys.stderr,
+    )
+    return cli.main(argv)
