@@ -28,6 +28,13 @@ pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 LAUNCH = str(Path(sys.executable).parent / "ddp-launch")
 PREFIX, NET = worker_prefix("slb"), worker_net("10.213.187")
 PCI = f"/tmp/ddp-{PREFIX}-pci"
+# MaxTime for preflight's --time refusal; a requeued job waits cred_expire + 1 s before it starts again
+# (120 s by default, slurm.conf(5) AuthInfo)
+CONVERGE_VARS = {
+    "molecule_pci_root": PCI,
+    "slurm_partition_max_time": 60,
+    "slurm_extra_config": {"AuthInfo": "cred_expire=10"},
+}
 STOPPED = re.compile(
     r"^\[(node\d) r\d\] ddp-train: stopped rank=(\d) world=3 step=(\d+) signal=SIGTERM", re.M
 )
@@ -51,9 +58,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Testbed,
             "-i",
             "molecule/slurm/inventory",
             "-e",
-            yaml.safe_dump(
-                {"molecule_pci_root": PCI, "slurm_partition_max_time": 60}, default_flow_style=True
-            ).strip(),
+            yaml.safe_dump(CONVERGE_VARS, default_flow_style=True).strip(),
             "molecule/slurm/prepare.yml",
             "molecule/slurm/converge.yml",
         ]
@@ -181,3 +186,33 @@ def test_preflight_refuses_and_submits_nothing(cluster, args: list[str], line: s
     assert "nothing was submitted" in out and "submitted Slurm job" not in out
     queue = tb.ssh(tb.hosts()[0], "squeue --noheader", check=False).stdout
     assert queue.strip() == "", queue
+
+
+def test_usr1_before_the_time_limit_with_requeue_saves_requeues_and_resumes(cluster) -> None:
+    """What --signal=B:USR1@lead does before the time limit, sent at once with `scancel --batch
+    --signal=USR1` (as the time limit would, up to a minute early: sbatch(1) --signal)."""
+    tb, root = cluster
+    inv = str(root / "inventory")
+    train = ["--set", "train.max_steps=40", "--set", "debug.step_delay_s=0.2", "--set", "run.dir=runs-sl-rq"]
+    run = Launcher(["--backend", "slurm", "--hosts", inv, "--job-id", "sl-rq", "--requeue", *train], root)
+    try:
+        run.wait_for(r"\[node0 r0\] .*step \d+/40", timeout=180)
+        slurm_id = re.search(r"submitted Slurm job (\d+)", run.text).group(1)
+        tb.ssh(tb.hosts()[0], f"scancel --batch --signal=USR1 {slurm_id}")
+        code = run.wait(400)
+    finally:
+        run.stop()
+    assert code == 0, run.text
+    stops = STOPPED.findall(run.text)
+    assert sorted(h for h, _, _ in stops) == ["node0", "node1", "node2"], run.text
+    step = stops[0][2]
+    assert "requeued (1/1)" in run.text, run.text
+    assert re.search(rf"resumed from \S+ at step {step}\b", run.text), run.text
+    finals = [FINAL.match(ln).groups() for ln in run.text.splitlines() if FINAL.match(ln)]
+    assert sorted((h, step) for h, _, _, _, step, _ in finals) == [
+        ("node0", "40"),
+        ("node1", "40"),
+        ("node2", "40"),
+    ]
+    assert len({sha for *_, sha in finals}) == 1
+    assert re.findall(rf"Slurm job {slurm_id}: (\w+)", run.text)[-1] == "COMPLETED", run.text

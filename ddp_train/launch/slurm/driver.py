@@ -40,6 +40,7 @@ from typing import IO, Any
 
 STOP = b"stop\n"
 LABEL = re.compile(r"^\s*(\d+): ?(.*)$")  # srun --label: "<task id>: line"
+STOP_DELAY_S = 1.0  # a stop line waits this long for Slurm's own SIGTERM of the same scancel
 PORT_SPAN = 64  # MASTER_PORT: the first of ddp_master_port .. +63 that binds
 
 
@@ -162,6 +163,12 @@ def main(blob: str) -> int:
     _relay(srun.stdout, hosts, out_dir)
     code = srun.wait()
     print(f"ddp-slurm: job {slurm_job}: srun exited {code}", flush=True)
+    if code > 128 and not stop.signum:
+        # nobody stopped the job: one node failed and srun (--kill-on-bad-exit) ended the others
+        print(f"ddp-slurm: job {slurm_job}: a node failed (above); srun ended the others", flush=True)
+        code = 1
+    elif code > 128:
+        code = 143  # the others were ended by srun while exiting after their save (their lines say so)
     max_requeues = int(job.get("max_requeues") or 0)
     if stop.signum == signal.SIGUSR1 and code == 143 and restarts < max_requeues:
         subprocess.run(["scontrol", "requeue", slurm_job], check=False)
@@ -223,8 +230,8 @@ def _relay(stream: IO[bytes], hosts: Sequence[str], out_dir: Path) -> None:
 # ---- every node (an srun task) ------------------------------------------------------------------------
 
 
-def node_main() -> int:
-    job: dict[str, Any] = json.loads(sys.stdin.buffer.readline())
+def node_main() -> None:
+    job: dict[str, Any] = json.loads(_read_line())
     rank = int(os.environ["SLURM_NODEID"])
     env: dict[str, str] = dict(job["env"])
     local_addr = None
@@ -233,7 +240,7 @@ def node_main() -> int:
             local_addr, dev = own_address(job["cidr"])
         except ValueError as e:
             print(f"ddp-slurm: {socket.gethostname()}: {e}", flush=True)
-            return 3
+            os._exit(3)
         from ddp_train.launch.preflight.netif import Choice, settings
 
         env.update(settings(Choice(dev=dev or "", address=local_addr, prefixlen=0), env)[0])
@@ -249,7 +256,8 @@ def node_main() -> int:
     workdir = job.get("workdir") or None
     if job.get("config"):
         _write_config(job["config"]["path"], job["config"]["text"], workdir)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # Slurm's own step signal reaches torchrun directly
+    signalled = threading.Event()  # Slurm's own step signal (a plain scancel) reaches torchrun directly
+    signal.signal(signal.SIGTERM, lambda *_: signalled.set())
     python = f"{job['venv'].rstrip('/')}/bin/python"
     proc = subprocess.Popen(
         [python, "-m", "ddp_train.agent", *argv],
@@ -262,16 +270,33 @@ def node_main() -> int:
     proc.stdin.close()
 
     def watch() -> None:
-        for line in sys.stdin.buffer:
-            if line == STOP and proc.poll() is None:
+        while _read_line():  # the only other line the driver sends is STOP
+            # after a plain scancel torchrun got Slurm's SIGTERM already (and the driver's stop line
+            # follows it): a second one would cut its shutdown short
+            if not signalled.wait(STOP_DELAY_S) and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
 
     threading.Thread(target=watch, daemon=True).start()
-    return proc.wait()
+    code = proc.wait()
+    if code < 0:  # srun --kill-on-bad-exit ended the step while this node's ranks were still exiting
+        code = 128 - code
+    sys.stdout.flush()
+    os._exit(code)  # not through the interpreter's shutdown while `watch` blocks in a read of stdin
+
+
+def _read_line() -> bytes:
+    """One line of stdin, read byte by byte from the descriptor (no buffer that reads ahead)."""
+    line = b""
+    while not line.endswith(b"\n"):
+        c = os.read(0, 1)
+        if not c:
+            break
+        line += c
+    return line
 
 
 def _agent_env(job_id: str) -> Mapping[str, str]:
-    env = dict(os.environ, DDP_JOB_ID=job_id)
+    env = dict(os.environ, DDP_JOB_ID=job_id, DDP_SLURM_STEP="1")
     env.pop("SLURM_CPU_BIND", None)
     return env
 
@@ -286,5 +311,5 @@ def _write_config(path: str, text: str, workdir: str | None) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--node"]:
-        sys.exit(node_main())
+        node_main()
     sys.exit(f"usage: {sys.argv[0]} --node (what the driver's srun runs)")

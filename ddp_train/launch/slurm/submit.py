@@ -197,6 +197,7 @@ class SlurmBackend:
         offsets: dict[str, int] = {}
         shown, stopped = "", False
         s = jobctl.SlurmState("PENDING")
+        t0 = time.monotonic()
         while True:
             try:
                 session = self._session()
@@ -223,13 +224,15 @@ class SlurmBackend:
                     f"detached from Slurm job {slurm_id}; it keeps running (ddp-launch status/logs/stop "
                     f"{plan.job_id}; scancel {slurm_id})"
                 )
-                return JobResult(exitcodes.SIGINT, "detached", False)
+                return JobResult(exitcodes.SIGINT, "detached", False, None, {}, time.monotonic() - t0)
             if s.ended:
                 break
             time.sleep(POLL_S)
         code = jobctl.exit_code(s)
         reason = s.line(slurm_id)
-        return JobResult(code, reason, stopped and code == exitcodes.SIGTERM)
+        failure = None if code in (0, exitcodes.SIGTERM) else reason
+        elapsed = time.monotonic() - t0
+        return JobResult(code, reason, stopped and code == exitcodes.SIGTERM, failure, {}, elapsed)
 
     def _copy_logs(self, batch: Any, plan: JobPlan, offsets: dict[str, int]) -> None:
         directory = log_dir(plan.nodes[0].cwd, self.slurm_id)
