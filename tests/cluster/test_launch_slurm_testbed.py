@@ -193,10 +193,10 @@ def test_usr1_before_the_time_limit_with_requeue_saves_requeues_and_resumes(clus
     --signal=USR1` (as the time limit would, up to a minute early: sbatch(1) --signal)."""
     tb, root = cluster
     inv = str(root / "inventory")
-    train = ["--set", "train.max_steps=40", "--set", "debug.step_delay_s=0.2", "--set", "run.dir=runs-sl-rq"]
+    train = ["--set", "train.max_steps=300", "--set", "debug.step_delay_s=0.2", "--set", "run.dir=runs-sl-rq"]
     run = Launcher(["--backend", "slurm", "--hosts", inv, "--job-id", "sl-rq", "--requeue", *train], root)
     try:
-        run.wait_for(r"\[node0 r0\] .*step \d+/40", timeout=180)
+        run.wait_for(r"\[node0 r0\] .*step \d+/300", timeout=180)
         slurm_id = re.search(r"submitted Slurm job (\d+)", run.text).group(1)
         tb.ssh(tb.hosts()[0], f"scancel --batch --signal=USR1 {slurm_id}")
         code = run.wait(400)

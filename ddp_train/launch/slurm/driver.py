@@ -34,11 +34,12 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 STOP = b"stop\n"
+DRIVER_LOG = "driver.log"  # the driver's own lines (and srun's), beside the nodes' r<N>-<host>.log
 LABEL = re.compile(r"^\s*(\d+): ?(.*)$")  # srun --label: "<task id>: line"
 STOP_DELAY_S = 1.0  # a stop line waits this long for Slurm's own SIGTERM of the same scancel
 PORT_SPAN = 64  # MASTER_PORT: the first of ddp_master_port .. +63 that binds
@@ -121,20 +122,20 @@ def main(blob: str) -> int:
         text=True,
         check=True,
     ).stdout.split()
+    out_dir = Path(log_dir(job.get("workdir"), slurm_job))
+    out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    say = _Say(out_dir / DRIVER_LOG)
     try:
         addr, _dev = own_address(job.get("cidr"))
     except ValueError as e:
-        print(f"ddp-slurm: {hosts[0]}: {e}", flush=True)
+        say(f"ddp-slurm: {hosts[0]}: {e}")
         return 3
     port = free_port(addr, int(job["port"]))
     restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-    print(
+    say(
         f"ddp-slurm: job {slurm_job} ({job['job_id']}) on {','.join(hosts)}: MASTER_ADDR={addr} "
-        f"MASTER_PORT={port}{f', restart {restarts}' if restarts else ''}",
-        flush=True,
+        f"MASTER_PORT={port}{f', restart {restarts}' if restarts else ''}"
     )
-    out_dir = Path(log_dir(job.get("workdir"), slurm_job))
-    out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     line = json.dumps({**job, "master_addr": addr, "master_port": port, "nnodes": len(hosts)}) + "\n"
     python = f"{job['venv'].rstrip('/')}/bin/python"
     argv = [
@@ -156,26 +157,25 @@ def main(blob: str) -> int:
     assert srun.stdin is not None and srun.stdout is not None
     srun.stdin.write(line.encode())
     srun.stdin.flush()
-    stop = _Stop(srun.stdin)
+    stop = _Stop(srun.stdin, say)
     signal.signal(signal.SIGTERM, stop.handle)
     signal.signal(signal.SIGINT, stop.handle)
     signal.signal(signal.SIGUSR1, stop.handle)
-    _relay(srun.stdout, hosts, out_dir)
+    _relay(srun.stdout, hosts, out_dir, say)
     code = srun.wait()
-    print(f"ddp-slurm: job {slurm_job}: srun exited {code}", flush=True)
+    say(f"ddp-slurm: job {slurm_job}: srun exited {code}")
     if code > 128 and not stop.signum:
         # nobody stopped the job: one node failed and srun (--kill-on-bad-exit) ended the others
-        print(f"ddp-slurm: job {slurm_job}: a node failed (above); srun ended the others", flush=True)
+        say(f"ddp-slurm: job {slurm_job}: a node failed (above); srun ended the others")
         code = 1
     elif code > 128:
         code = 143  # the others were ended by srun while exiting after their save (their lines say so)
     max_requeues = int(job.get("max_requeues") or 0)
     if stop.signum == signal.SIGUSR1 and code == 143 and restarts < max_requeues:
         subprocess.run(["scontrol", "requeue", slurm_job], check=False)
-        print(
+        say(
             f"ddp-slurm: job {slurm_job}: requeued ({restarts + 1}/{max_requeues}); it resumes from the "
-            "newest checkpoint",
-            flush=True,
+            "newest checkpoint"
         )
     return code
 
@@ -183,17 +183,16 @@ def main(blob: str) -> int:
 class _Stop:
     """SIGTERM/SIGINT/SIGUSR1 on the driver: one "stop" line to every node, once."""
 
-    def __init__(self, stdin: IO[bytes]) -> None:
-        self.stdin, self.signum = stdin, 0
+    def __init__(self, stdin: IO[bytes], say: Callable[[str], None]) -> None:
+        self.stdin, self.signum, self.say = stdin, 0, say
 
     def handle(self, signum: int, _frame: object) -> None:
         if self.signum:
             return
         self.signum = signum
-        print(
+        self.say(
             f"ddp-slurm: got {signal.Signals(signum).name}: every node stops its torchrun (each rank "
-            "finishes its step and saves)",
-            flush=True,
+            "finishes its step and saves)"
         )
         threading.Thread(target=self._send, daemon=True).start()  # no blocking write in a handler
 
@@ -205,7 +204,20 @@ class _Stop:
             pass
 
 
-def _relay(stream: IO[bytes], hosts: Sequence[str], out_dir: Path) -> None:
+class _Say:
+    """The driver's own lines: on its stdout (the batch output) and in driver.log beside the nodes'."""
+
+    def __init__(self, path: Path) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self.file = os.fdopen(fd, "a", encoding="utf-8")
+
+    def __call__(self, text: str) -> None:
+        print(text, flush=True)
+        self.file.write(text + "\n")
+        self.file.flush()
+
+
+def _relay(stream: IO[bytes], hosts: Sequence[str], out_dir: Path, say: Callable[[str], None]) -> None:
     files: dict[int, IO[str]] = {}
     for raw in stream:
         text = raw.decode("utf-8", "replace").rstrip("\n")
@@ -222,7 +234,7 @@ def _relay(stream: IO[bytes], hosts: Sequence[str], out_dir: Path) -> None:
             f.flush()
             print(f"[{hosts[task]} r{task}] {m.group(2)}", flush=True)
         else:
-            print(f"[driver] {text}", flush=True)
+            say(text)
     for f in files.values():
         f.close()
 

@@ -133,6 +133,8 @@ def read_logs(session: Session, python: str, directory: str, offsets: dict[str, 
 
 def label(name: str) -> tuple[str, str]:
     """r<N>-<host>.log -> (host, "host rN")."""
+    if name == "driver.log":
+        return "driver", "driver"
     rank, _, host = name[: -len(".log")].partition("-")
     return host, f"{host} {rank}"
 

@@ -198,6 +198,7 @@ class SlurmBackend:
         shown, stopped = "", False
         s = jobctl.SlurmState("PENDING")
         t0 = time.monotonic()
+        batch = ""
         while True:
             try:
                 session = self._session()
@@ -215,8 +216,9 @@ class SlurmBackend:
                     log.note(s.line(slurm_id))
                     if s.state == "RUNNING" and not stopped:
                         on_state("running")
-                if s.batch_host in nodes:
-                    self._copy_logs(nodes[s.batch_host], plan, offsets)
+                batch = s.batch_host if s.batch_host in nodes else batch  # a requeued job has none
+                if batch:
+                    self._copy_logs(nodes[batch], plan, offsets)
             except RemoteError as e:
                 log.note(f"cannot reach {self.s.submit.name}: {e}; retrying")
             if self.detached:
