@@ -210,9 +210,9 @@ def test_usr1_before_the_time_limit_with_requeue_saves_requeues_and_resumes(clus
     assert re.search(rf"resumed from \S+ at step {step}\b", run.text), run.text
     finals = [FINAL.match(ln).groups() for ln in run.text.splitlines() if FINAL.match(ln)]
     assert sorted((h, step) for h, _, _, _, step, _ in finals) == [
-        ("node0", "40"),
-        ("node1", "40"),
-        ("node2", "40"),
+        ("node0", "300"),
+        ("node1", "300"),
+        ("node2", "300"),
     ]
     assert len({sha for *_, sha in finals}) == 1
     assert re.findall(rf"Slurm job {slurm_id}: (\w+)", run.text)[-1] == "COMPLETED", run.text
