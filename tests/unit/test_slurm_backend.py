@@ -220,3 +220,22 @@ def test_state_from_squeue_then_scontrol_then_sacct() -> None:
     s = jobctl.query(gone, "7")
     assert (s.state, jobctl.exit_code(s)) == ("COMPLETED", 0)
     assert jobctl._exit("0:9") == 137
+
+
+def test_in_a_slurm_step_a_second_sigterm_is_the_same_stop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain scancel: slurmstepd and torchrun each send the worker SIGTERM; it must still save."""
+    import os
+    import signal
+
+    from ddp_train.trainer import StopRequest
+
+    monkeypatch.setenv("DDP_SLURM_STEP", "1")
+    stop = StopRequest()
+    stop.install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # without DDP_SLURM_STEP this one would kill pytest
+        assert stop.signum == signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) == stop._handle
+    finally:
+        stop.restore()
