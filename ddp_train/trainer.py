@@ -65,7 +65,10 @@ class StopRequest:
 
     def _handle(self, signum: int, _frame: Any) -> None:
         self.signum = signum
-        signal.signal(signum, signal.SIG_DFL)  # a second signal of the same kind kills at once
+        # A second signal of the same kind kills at once; not SIGTERM in a Slurm step, where slurmstepd
+        # and torchrun each send one for the same `scancel` (launch/slurm/driver.py)
+        if not (signum == signal.SIGTERM and os.environ.get("DDP_SLURM_STEP")):
+            signal.signal(signum, signal.SIG_DFL)
 
 
 class GarbageCollection:

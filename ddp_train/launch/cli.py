@@ -27,6 +27,7 @@ from ddp_train.launch.errors import LaunchError, one_line
 
 if TYPE_CHECKING:  # the heavy modules load only when a command needs them
     from ddp_train.launch.plan.plan import JobPlan
+    from ddp_train.launch.slurm.settings import SlurmSettings
 
 MONITOR_ARGS = "--monitor-args-file"  # what --detach starts: `cli --monitor-args-file FILE`
 COMMANDS = ("run", "doctor", "check-script", "jobs", "status", "logs", "attach", "stop")
@@ -111,9 +112,10 @@ def _main(argv: Sequence[str] | None) -> int:
             runargs.controller_limits(plan, opts)
         if doctor:
             return _doctor(plan, opts)
+        slurm = runargs.slurm_settings(opts)  # None: the SSH backend
         if opts.dry_run:
-            return _dry_run(plan)
-        return _launch(plan, opts, shown)
+            return _dry_run(plan) if slurm is None else _slurm_dry_run(plan, slurm)
+        return _launch(plan, opts, shown, slurm)
     except LaunchError as e:
         return _usage(str(e))
     except KeyboardInterrupt:  # before the job started (once it runs, the job traps SIGINT itself)
@@ -198,8 +200,19 @@ def _doctor(plan: JobPlan, opts: argparse.Namespace) -> int:
     return exitcodes.PREFLIGHT
 
 
-def _launch(plan: JobPlan, opts: argparse.Namespace, argv: Sequence[str]) -> int:
+def _slurm_dry_run(plan: JobPlan, slurm: SlurmSettings) -> int:
+    from ddp_train.launch.slurm.submit import shown_script
+
+    print(f"# job {plan.job_id}: {len(plan.nodes)} nodes through Slurm: sbatch on {slurm.submit.name}")
+    print(shown_script(plan, slurm))
+    return 0
+
+
+def _launch(
+    plan: JobPlan, opts: argparse.Namespace, argv: Sequence[str], slurm: SlurmSettings | None = None
+) -> int:
     from ddp_train.launch.pipeline import LaunchConfig, launch
+    from ddp_train.launch.slurm.submit import slurm_backend
 
     return launch(
         LaunchConfig(
@@ -216,7 +229,8 @@ def _launch(plan: JobPlan, opts: argparse.Namespace, argv: Sequence[str]) -> int
             timeout=opts.timeout,
             stall_timeout=opts.stall_timeout,
             overrides=tuple(opts.overrides),
-        )
+        ),
+        backend=slurm_backend(slurm) if slurm else None,
     )
 
 

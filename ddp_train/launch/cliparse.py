@@ -59,6 +59,7 @@ def build_parser() -> Parser:
         **shared,
     )
     _run_options(run, next(g for g in run._action_groups if g.title == "job"))  # the parent's group
+    _slurm_options(run)
     check = sub.add_parser(
         "check-script",
         prog="ddp-launch check-script",
@@ -263,3 +264,31 @@ def _run_options(run: argparse.ArgumentParser, job: argparse._ArgumentGroup) -> 
     )
     # everything after the options: `-- trainer args` or `script [script args]` (launch/runargs.py)
     user.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+
+def _slurm_options(run: argparse.ArgumentParser) -> None:
+    """--backend slurm and the sbatch options (launch/slurm/settings.py; each falls back to slurm_<name>)."""
+    g = run.add_argument_group("Slurm (--backend slurm, or ddp_backend: slurm in the inventory)")
+    g.add_argument("--backend", choices=("ssh", "slurm"), help="where the job runs [ddp_backend, else ssh]")
+    for flag, meta, what in (
+        ("partition", "NAME", "the partition [slurm_partition, else the default partition]"),
+        ("account", "NAME", "the account to charge [slurm_account]"),
+        ("qos", "NAME", "the quality of service [slurm_qos]"),
+        ("time", "TIME", "the time limit, as sbatch --time [slurm_time, else the partition's default]"),
+        ("constraint", "LIST", "node features, as sbatch --constraint [slurm_constraint]"),
+    ):
+        g.add_argument(f"--{flag}", dest=f"slurm_{flag}", metavar=meta, help=what)
+    g.add_argument("--nodes", dest="slurm_nodes", type=int, metavar="N", help="nodes [the inventory's]")
+    g.add_argument(
+        "--gpus-per-node", dest="slurm_gpus_per_node", type=int, metavar="N", help="[slurm_gpus_per_node]"
+    )
+    g.add_argument("--exclusive", dest="slurm_exclusive", action="store_true", help="whole nodes only")
+    g.add_argument(
+        "--requeue",
+        action="store_true",
+        help="near the time limit (--signal=B:USR1) every rank saves, then the job is requeued and "
+        "resumes from the newest checkpoint (which must be on shared storage) [slurm_requeue]",
+    )
+    g.add_argument(
+        "--max-requeues", type=int, metavar="N", help="requeues at most [slurm_max_requeues, else 1]"
+    )

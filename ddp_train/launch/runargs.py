@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # the heavy modules load only when a command needs them
     from ddp_train.launch.plan.plan import JobPlan
     from ddp_train.launch.plan.scriptcheck import ScriptCheck
     from ddp_train.launch.remote.sync import Manifest
+    from ddp_train.launch.slurm.settings import SlurmSettings
 
 
 FRESH = "checkpoint.resume=never"  # what --fresh means to the packaged trainer (checkpoint.py refuses)
@@ -230,3 +231,14 @@ def _check_nproc(value: str | None) -> str | None:
     if n is None:
         raise LaunchError(f"--nproc-per-node {value!r}: a positive integer, gpu, cpu or auto")
     return n
+
+
+def slurm_settings(opts: argparse.Namespace) -> SlurmSettings | None:
+    """The job's Slurm settings (--backend slurm, or ddp_backend: slurm); None for the SSH backend."""
+    from ddp_train.launch.cliparse import DEFAULT_INVENTORY
+    from ddp_train.launch.slurm import settings
+
+    sources = opts.hosts or [DEFAULT_INVENTORY]
+    if not settings.wanted(opts, sources, opts.extra_vars):
+        return None
+    return settings.load(opts, sources, opts.extra_vars)

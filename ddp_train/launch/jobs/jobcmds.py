@@ -62,6 +62,11 @@ def main(opts: argparse.Namespace) -> int:
         print(f"ddp-launch: error: no job {opts.job!r} in {opts.log_dir}/ (recent: {known})", file=sys.stderr)
         return exitcodes.BAD_INPUT
     job_dir = Path(opts.log_dir) / opts.job
+    if data.get("slurm"):  # submitted through Slurm: its state and, once nobody follows it, logs and stop
+        from ddp_train.launch.slurm.jobctl import command as slurm_command
+
+        if (code := slurm_command(opts, job_dir, data)) is not None:
+            return code
     if command == "status":
         return _status(job_dir, data)
     if command == "logs":

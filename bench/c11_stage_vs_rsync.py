@@ -1,4 +1,4 @@
-"""C10: `ddp-launch stage` of a data set to N testbed hosts vs rsync from the controller to each, same run.
+"""C11: `ddp-launch stage` of a data set to N testbed hosts vs rsync from the controller to each, same run.
 
 N namespace hosts (their own testbed: prefix `stgb`, SSH on 10.213.182.0/24, training network
 10.213.183.0/24), a directory of --size MiB in 64 MiB files of random bytes. Baseline: `rsync -a` over
@@ -6,7 +6,7 @@ the testbed's SSH from the controller to every host at once (a user's `for h in 
 Then `ddp-launch stage` of the same directory to an empty DEST on every host. Both are timed from start
 to the last host holding a verified copy (for rsync: the sha256 of each host's copy checked after the
 clock stops). Prints the bytes the controller sent for each, then
-`C10 stage/rsync stage_s ratio=R` last (R = stage time / rsync time; target <= 1.0; the controller sends
+`C11 stage/rsync stage_s ratio=R` last (R = stage time / rsync time; target <= 1.0; the controller sends
 1/N of rsync's bytes).
 """
 
@@ -118,7 +118,7 @@ def main() -> None:
             for h in hosts:
                 assert tree_sha(tmp / h.name / "staged") == want, h.name
         finally:
-            if os.environ.get("C10_KEEP"):
+            if os.environ.get("C11_KEEP"):
                 input(f"kept {tmp}; enter to tear down")
             tb.down()
     load = os.getloadavg()[0]
@@ -126,7 +126,7 @@ def main() -> None:
     print(f"stage: {stage_s:.1f}s, controller sent {stage_sent} bytes")
     print(
         ratio_line(
-            "C10",
+            "C11",
             "stage/rsync",
             "stage_s",
             stage_s / rsync_s,

@@ -1,0 +1,327 @@
+"""On the allocation: the batch script's driver (node 0) and the program srun starts on every node.
+
+The batch script is Python (`#!<ddp_venv>/bin/python`), so the driver is a Python process, not a shell
+that defers its traps while a foreground child runs (scancel(1), "the batch shell ... will not
+receive the signal until the foreground process exits"). The driver
+
+1. picks MASTER_ADDR = its own address in ddp_network_cidr (no DNS, no `scontrol`) and the first
+   MASTER_PORT from ddp_master_port up that binds there;
+2. runs `srun --ntasks-per-node=1 --kill-on-bad-exit=1 --wait=60 --label python -m
+   ddp_train.launch.slurm.driver --node`, writing the job (environment included) as one JSON line to
+   srun's stdin, which srun broadcasts to every task (srun(1) --input, default "all") - never in argv;
+3. prints each task's lines as `[host rN] line` and keeps them per node in <workdir>/.ddp-launch/
+   slurm-<id>/r<N>-<host>.log (what `ddp-launch logs` reads);
+4. turns SIGTERM (`ddp-launch stop`: `scancel --batch --signal=TERM`) and SIGUSR1 (`--signal=B:USR1@lead`
+   before the time limit) into one "stop" line on srun's stdin: each node's program sends SIGTERM to its
+   torchrun alone, the SSH backend's stop (every rank finishes its step, saves, exit 143). Slurm's own
+   step signal would reach every process of the step at once, and a worker would then get SIGTERM twice
+   (from slurmstepd and from torchrun). With --requeue, a USR1 stop that ends in 143 is followed by
+   `scontrol requeue`, and the job starts again and resumes from the newest checkpoint.
+
+The node program: node rank = SLURM_NODEID, its own interface in the CIDR (GLOO/NCCL_SOCKET_IFNAME,
+--local-addr, as preflight/netif.py sets them for the SSH backend), plan.py's torchrun argv with the
+driver's address and port, then `python -m ddp_train.agent` with the environment on its stdin.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+STOP = b"stop\n"
+DRIVER_LOG = "driver.log"  # the driver's own lines (and srun's), beside the nodes' r<N>-<host>.log
+LABEL = re.compile(r"^\s*(\d+): ?(.*)$")  # srun --label: "<task id>: line"
+STOP_DELAY_S = 1.0  # a stop line waits this long for Slurm's own SIGTERM of the same scancel
+PORT_SPAN = 64  # MASTER_PORT: the first of ddp_master_port .. +63 that binds
+
+
+def log_dir(workdir: str | None, slurm_job: str) -> str:
+    """Where the driver keeps each node's output (relative: to the job's working directory)."""
+    base = f"{workdir.rstrip('/')}/" if workdir else ""
+    return f"{base}.ddp-launch/slurm-{slurm_job}"
+
+
+def torchrun_argv(
+    template: Sequence[str],
+    *,
+    rank: int,
+    nnodes: int,
+    addr: str,
+    port: int,
+    local_addr: str | None,
+    static: bool,
+) -> list[str]:
+    """plan.py's torchrun argv for this node: the driver's address and port, rank = SLURM_NODEID."""
+    out = list(template)
+    endpoint = f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
+    values = {
+        "--nnodes": str(nnodes),
+        "--master-addr": addr,
+        "--master-port": str(port),
+        "--rdzv-endpoint": endpoint,
+    }
+    if static:
+        values["--node-rank"] = str(rank)
+    if local_addr and not static:
+        values["--local-addr"] = local_addr
+    i = 1
+    while i + 1 < len(out) and out[i].startswith("--"):  # torchrun's own "--flag value" pairs
+        if out[i] in values:
+            out[i + 1] = values.pop(out[i])
+        i += 2
+    if "--local-addr" in values:
+        from ddp_train.launch.preflight.netif import with_local_addr
+
+        out = list(with_local_addr(out, values["--local-addr"]))
+    return out
+
+
+def own_address(cidr: str | None) -> tuple[str, str | None]:
+    """(this node's address in the CIDR, its interface); without a CIDR the hostname's address."""
+    if not cidr:
+        return socket.gethostbyname(socket.gethostname()), None
+    from ddp_train.launch.node.probe import collect_netif
+    from ddp_train.launch.preflight.netif import choose, network
+
+    net = network(cidr)
+    targets = [str(t) for t in ([net[-2], net[1], net[2]] if net.num_addresses >= 4 else list(net))]
+    choice = choose(cidr, collect_netif(cidr, targets))
+    return choice.address, choice.dev
+
+
+def free_port(addr: str, first: int) -> int:
+    for port in range(first, min(first + PORT_SPAN, 65536)):
+        with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as s:
+            try:
+                s.bind((addr, port))
+            except OSError:
+                continue
+            return port
+    raise SystemExit(f"ddp-slurm: no free port in {first}-{first + PORT_SPAN - 1} on {addr}")
+
+
+# ---- the driver (the batch script, on node 0) -------------------------------------------------------
+
+
+def main(blob: str) -> int:
+    job: dict[str, Any] = json.loads(base64.b64decode(blob))
+    slurm_job = os.environ.get("SLURM_JOB_ID", "0")
+    hosts = subprocess.run(
+        ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    out_dir = Path(log_dir(job.get("workdir"), slurm_job))
+    out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    say = _Say(out_dir / DRIVER_LOG)
+    try:
+        addr, _dev = own_address(job.get("cidr"))
+    except ValueError as e:
+        say(f"ddp-slurm: {hosts[0]}: {e}")
+        return 3
+    port = free_port(addr, int(job["port"]))
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    say(
+        f"ddp-slurm: job {slurm_job} ({job['job_id']}) on {','.join(hosts)}: MASTER_ADDR={addr} "
+        f"MASTER_PORT={port}{f', restart {restarts}' if restarts else ''}"
+    )
+    line = json.dumps({**job, "master_addr": addr, "master_port": port, "nnodes": len(hosts)}) + "\n"
+    python = f"{job['venv'].rstrip('/')}/bin/python"
+    argv = [
+        "srun",
+        f"--nodes={len(hosts)}",
+        f"--ntasks={len(hosts)}",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        "--wait=60",
+        "--label",
+        python,
+        "-m",
+        "ddp_train.launch.slurm.driver",
+        "--node",
+    ]
+    if os.environ.get("SLURM_CPUS_PER_TASK"):  # 22.05 srun no longer reads it (RELEASE_NOTES 22.05)
+        argv.insert(1, f"--cpus-per-task={os.environ['SLURM_CPUS_PER_TASK']}")
+    srun = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert srun.stdin is not None and srun.stdout is not None
+    srun.stdin.write(line.encode())
+    srun.stdin.flush()
+    stop = _Stop(srun.stdin, say)
+    signal.signal(signal.SIGTERM, stop.handle)
+    signal.signal(signal.SIGINT, stop.handle)
+    signal.signal(signal.SIGUSR1, stop.handle)
+    _relay(srun.stdout, hosts, out_dir, say)
+    code = srun.wait()
+    say(f"ddp-slurm: job {slurm_job}: srun exited {code}")
+    if code > 128 and not stop.signum:
+        # nobody stopped the job: one node failed and srun (--kill-on-bad-exit) ended the others
+        say(f"ddp-slurm: job {slurm_job}: a node failed (above); srun ended the others")
+        code = 1
+    elif code > 128:
+        code = 143  # the others were ended by srun while exiting after their save (their lines say so)
+    max_requeues = int(job.get("max_requeues") or 0)
+    if stop.signum == signal.SIGUSR1 and code == 143 and restarts < max_requeues:
+        subprocess.run(["scontrol", "requeue", slurm_job], check=False)
+        say(
+            f"ddp-slurm: job {slurm_job}: requeued ({restarts + 1}/{max_requeues}); it resumes from the "
+            "newest checkpoint"
+        )
+    return code
+
+
+class _Stop:
+    """SIGTERM/SIGINT/SIGUSR1 on the driver: one "stop" line to every node, once."""
+
+    def __init__(self, stdin: IO[bytes], say: Callable[[str], None]) -> None:
+        self.stdin, self.signum, self.say = stdin, 0, say
+
+    def handle(self, signum: int, _frame: object) -> None:
+        if self.signum:
+            return
+        self.signum = signum
+        self.say(
+            f"ddp-slurm: got {signal.Signals(signum).name}: every node stops its torchrun (each rank "
+            "finishes its step and saves)"
+        )
+        threading.Thread(target=self._send, daemon=True).start()  # no blocking write in a handler
+
+    def _send(self) -> None:
+        try:
+            self.stdin.write(STOP)
+            self.stdin.flush()
+        except (OSError, ValueError):
+            pass
+
+
+class _Say:
+    """The driver's own lines: on its stdout (the batch output) and in driver.log beside the nodes'."""
+
+    def __init__(self, path: Path) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self.file = os.fdopen(fd, "a", encoding="utf-8")
+
+    def __call__(self, text: str) -> None:
+        print(text, flush=True)
+        self.file.write(text + "\n")
+        self.file.flush()
+
+
+def _relay(stream: IO[bytes], hosts: Sequence[str], out_dir: Path, say: Callable[[str], None]) -> None:
+    files: dict[int, IO[str]] = {}
+    for raw in stream:
+        text = raw.decode("utf-8", "replace").rstrip("\n")
+        m = LABEL.match(text)
+        if m and int(m.group(1)) < len(hosts):
+            task = int(m.group(1))
+            f = files.get(task)
+            if f is None:
+                fd = os.open(
+                    out_dir / f"r{task}-{hosts[task]}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
+                )
+                f = files[task] = os.fdopen(fd, "a", encoding="utf-8")
+            f.write(m.group(2) + "\n")
+            f.flush()
+            print(f"[{hosts[task]} r{task}] {m.group(2)}", flush=True)
+        else:
+            say(text)
+    for f in files.values():
+        f.close()
+
+
+# ---- every node (an srun task) ------------------------------------------------------------------------
+
+
+def node_main() -> None:
+    job: dict[str, Any] = json.loads(_read_line())
+    rank = int(os.environ["SLURM_NODEID"])
+    env: dict[str, str] = dict(job["env"])
+    local_addr = None
+    if job.get("cidr"):
+        try:
+            local_addr, dev = own_address(job["cidr"])
+        except ValueError as e:
+            print(f"ddp-slurm: {socket.gethostname()}: {e}", flush=True)
+            os._exit(3)
+        from ddp_train.launch.preflight.netif import Choice, settings
+
+        env.update(settings(Choice(dev=dev or "", address=local_addr, prefixlen=0), env)[0])
+    argv = torchrun_argv(
+        job["argv"],
+        rank=rank,
+        nnodes=int(job["nnodes"]),
+        addr=job["master_addr"],
+        port=int(job["master_port"]),
+        local_addr=local_addr,
+        static=bool(job["static"]),
+    )
+    workdir = job.get("workdir") or None
+    if job.get("config"):
+        _write_config(job["config"]["path"], job["config"]["text"], workdir)
+    signalled = threading.Event()  # Slurm's own step signal (a plain scancel) reaches torchrun directly
+    signal.signal(signal.SIGTERM, lambda *_: signalled.set())
+    python = f"{job['venv'].rstrip('/')}/bin/python"
+    proc = subprocess.Popen(
+        [python, "-m", "ddp_train.agent", *argv],
+        stdin=subprocess.PIPE,
+        cwd=workdir,
+        env=_agent_env(job["job_id"]),
+    )
+    assert proc.stdin is not None
+    proc.stdin.write((json.dumps(env) + "\n").encode())
+    proc.stdin.close()
+
+    def watch() -> None:
+        while _read_line():  # the only other line the driver sends is STOP
+            # after a plain scancel torchrun got Slurm's SIGTERM already (and the driver's stop line
+            # follows it): a second one would cut its shutdown short
+            if not signalled.wait(STOP_DELAY_S) and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True).start()
+    code = proc.wait()
+    if code < 0:  # srun --kill-on-bad-exit ended the step while this node's ranks were still exiting
+        code = 128 - code
+    sys.stdout.flush()
+    os._exit(code)  # not through the interpreter's shutdown while `watch` blocks in a read of stdin
+
+
+def _read_line() -> bytes:
+    """One line of stdin, read byte by byte from the descriptor (no buffer that reads ahead)."""
+    line = b""
+    while not line.endswith(b"\n"):
+        c = os.read(0, 1)
+        if not c:
+            break
+        line += c
+    return line
+
+
+def _agent_env(job_id: str) -> Mapping[str, str]:
+    env = dict(os.environ, DDP_JOB_ID=job_id, DDP_SLURM_STEP="1")
+    env.pop("SLURM_CPU_BIND", None)
+    return env
+
+
+def _write_config(path: str, text: str, workdir: str | None) -> None:
+    full = Path(workdir or ".", path) if not path.startswith("/") else Path(path)
+    full.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--node"]:
+        node_main()
+    sys.exit(f"usage: {sys.argv[0]} --node (what the driver's srun runs)")

@@ -1,0 +1,217 @@
+"""A Slurm job seen from the submit host: state (squeue, then scontrol once it ended, then sacct),
+the per-node output files on the batch host, and the clean stop (`scancel --batch --signal=TERM`:
+the driver alone gets it and stops every node's torchrun, see driver.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+from typing import TYPE_CHECKING, Any
+
+from ddp_train import exitcodes
+
+if TYPE_CHECKING:
+    from ddp_train.launch.remote.remote import Session
+
+ENDED = (
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlurmState:
+    state: str  # PENDING, RUNNING, COMPLETED, ... (squeue's %T); UNKNOWN when Slurm forgot the job
+    reason: str = ""
+    nodes: str = ""
+    batch_host: str = ""
+    exit_code: int | None = None  # once ended: the batch script's exit code (128 + N after signal N)
+
+    @property
+    def ended(self) -> bool:
+        return self.state.split()[0] in ENDED or self.state == "UNKNOWN"
+
+    def line(self, slurm_id: str) -> str:
+        why = f" ({self.reason})" if self.reason and self.reason not in ("None", "(null)") else ""
+        code = f", exit {self.exit_code}" if self.exit_code is not None and self.ended else ""
+        where = f" on {self.nodes}" if self.nodes and self.nodes != "(null)" else ""
+        return f"Slurm job {slurm_id}: {self.state}{why}{where}{code}"
+
+
+def query(session: Session, slurm_id: str) -> SlurmState:
+    rc, out = session.exec(f"squeue --noheader --jobs={shlex.quote(slurm_id)} --format='%T|%r|%N|%B'", 20)
+    rows = [ln for ln in out.splitlines() if ln.count("|") == 3] if rc == 0 else []
+    if rows:
+        state, reason, nodes, batch = rows[0].split("|")
+        if state not in ENDED:
+            return SlurmState(state, reason, nodes, batch)
+    rc, out = session.exec(f"scontrol --oneliner show job {shlex.quote(slurm_id)}", 20)
+    if rc == 0 and "JobState=" in out:
+        f = dict(w.split("=", 1) for w in out.split() if "=" in w)
+        return SlurmState(
+            f.get("JobState", "UNKNOWN"),
+            f.get("Reason", ""),
+            f.get("NodeList", ""),
+            f.get("BatchHost", ""),
+            _exit(f.get("ExitCode", "")),
+        )
+    rc, out = session.exec(
+        f"sacct --noheader --parsable2 --allocations --jobs={shlex.quote(slurm_id)} "
+        "--format=State,ExitCode,NodeList",
+        20,
+    )
+    rows = [ln for ln in out.splitlines() if ln.count("|") == 2] if rc == 0 else []
+    if rows:
+        state, code, nodes = rows[0].split("|")
+        return SlurmState(state, "", nodes, "", _exit(code))
+    return SlurmState("UNKNOWN")
+
+
+def _exit(text: str) -> int | None:
+    """scontrol/sacct ExitCode "code:signal" -> an exit code (128 + signal when killed by one)."""
+    code, _, sig = text.partition(":")
+    if not code.isdigit():
+        return None
+    return 128 + int(sig) if sig.isdigit() and int(sig) else int(code)
+
+
+def exit_code(s: SlurmState) -> int:
+    if s.exit_code is not None and s.exit_code != 0:
+        return s.exit_code
+    if s.state.startswith("COMPLETED"):
+        return 0
+    if s.state.startswith("TIMEOUT"):
+        return exitcodes.TIMEOUT
+    if s.state.startswith("CANCELLED"):
+        return exitcodes.SIGTERM
+    return exitcodes.NODE_FAILED
+
+
+def stop(session: Session, slurm_id: str) -> tuple[int, str]:
+    """The clean stop: SIGTERM to the driver alone (scancel(1) --batch); a pending job is cancelled."""
+    return session.exec(f"scancel --batch --signal=TERM {shlex.quote(slurm_id)}", 20)
+
+
+def cancel(session: Session, slurm_id: str) -> tuple[int, str]:
+    return session.exec(f"scancel {shlex.quote(slurm_id)}", 20)
+
+
+# Reads the per-node files a driver wrote (r<N>-<host>.log) from the given offsets: JSON on stdout.
+_READ = r"""
+import json, os, sys
+d, offsets = sys.argv[1], json.loads(sys.stdin.readline())
+out = {}
+for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+    if name.endswith(".log"):
+        with open(os.path.join(d, name), "rb") as f:
+            f.seek(offsets.get(name, 0))
+            data = f.read(1 << 20)
+        cut = data.rfind(b"\n") + 1
+        out[name] = [offsets.get(name, 0) + cut, data[:cut].decode("utf-8", "replace")]
+print("DDP-SLURM-LOGS " + json.dumps(out))
+"""
+
+
+def read_logs(session: Session, python: str, directory: str, offsets: dict[str, int]) -> dict[str, Any]:
+    """{file: [new offset, new whole lines]} of the driver's per-node files on the batch host."""
+    cmd = shlex.join([python, "-c", _READ, directory])
+    rc, out = session.exec(cmd, 30, stdin=(json.dumps(offsets) + "\n").encode())
+    for ln in out.splitlines():
+        if ln.startswith("DDP-SLURM-LOGS "):
+            data: dict[str, Any] = json.loads(ln.split(" ", 1)[1])
+            return data
+    return {}
+
+
+def label(name: str) -> tuple[str, str]:
+    """r<N>-<host>.log -> (host, "host rN")."""
+    if name == "driver.log":
+        return "driver", "driver"
+    rank, _, host = name[: -len(".log")].partition("-")
+    return host, f"{host} {rank}"
+
+
+# ---- ddp-launch status/logs/stop JOB for a job submitted through Slurm -------------------------------
+
+
+def command(opts: Any, job_dir: Any, data: dict[str, Any]) -> int | None:
+    """The job command for a Slurm job; None: the usual one goes on (it reads the local logs and job.json).
+
+    status prints Slurm's state first. While the launcher (or its monitor) still follows the job, logs and
+    stop are the usual ones (its SIGTERM handler sends the clean stop). Once nobody follows it (Ctrl-C
+    detached, the monitor gone) they go to Slurm: stop = `scancel --batch --signal=TERM`, logs = the
+    driver's per-node files on the batch host."""
+    import sys
+    import time
+
+    from ddp_train.launch.errors import LaunchError
+    from ddp_train.launch.jobs import jobstate
+    from ddp_train.launch.remote.remote import RemoteError
+
+    slurm = data["slurm"]
+    slurm_id = str(slurm["id"])
+    followed = jobstate.effective_state(data) in jobstate.LIVE
+    if opts.command in ("logs", "attach", "stop") and followed:
+        return None
+    try:
+        session, nodes = _sessions(slurm)
+        s = query(session, slurm_id)
+        if opts.command == "status":
+            print(s.line(slurm_id))
+            return None
+        if opts.command == "stop":
+            if s.ended:
+                print(f"ddp-launch: job {data['job_id']} is not running ({s.line(slurm_id)})")
+                return 0
+            rc, out = stop(session, slurm_id)
+            print(
+                f"ddp-launch: scancel --batch --signal=TERM {slurm_id}: every rank finishes its step, saves"
+                f"{'' if rc == 0 else ': ' + out.strip()}",
+                flush=True,
+            )
+            while not s.ended:
+                time.sleep(1)
+                s = query(session, slurm_id)
+            print(s.line(slurm_id))
+            return 0 if exit_code(s) in (0, exitcodes.SIGTERM) else exitcodes.NODE_FAILED
+        offsets: dict[str, int] = {}
+        while True:  # logs [-f], attach
+            batch = nodes.get(s.batch_host)
+            if batch is not None:
+                from ddp_train.launch.remote.remote import open_session
+
+                got = read_logs(
+                    open_session(batch), f"{batch.venv.rstrip('/')}/bin/python", slurm["dir"], offsets
+                )
+                for name, (offset, text) in sorted(got.items()):
+                    offsets[name] = offset
+                    for line in text.splitlines():
+                        print(f"[{label(name)[1]}] {line}")
+                sys.stdout.flush()
+            if s.ended or not (getattr(opts, "follow", False) or opts.command == "attach"):
+                return 0
+            time.sleep(1)
+            s = query(session, slurm_id)
+    except (RemoteError, LaunchError) as e:
+        print(f"ddp-launch: error: Slurm job {slurm_id}: {e}", file=sys.stderr)
+        return exitcodes.NODE_FAILED
+    except KeyboardInterrupt:
+        return 0  # following only: the job keeps running
+
+
+def _sessions(slurm: dict[str, Any]) -> tuple[Session, dict[str, Any]]:
+    from ddp_train.launch.plan.inventory import load_nodes
+    from ddp_train.launch.remote.remote import open_session
+
+    sources = list(slurm.get("sources") or [])
+    submit = next(n for n in load_nodes(sources, group=slurm["group"]) if n.name == slurm["submit"])
+    nodes = {n.name: n for n in load_nodes(sources)}
+    return open_session(submit), nodes

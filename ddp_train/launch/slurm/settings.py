@@ -1,0 +1,168 @@
+"""What a Slurm job is submitted with: flags first, then the inventory's slurm_* variables.
+
+The submit host is the first host of the inventory's `slurm_login` group, else of `slurm_controller`
+(issue 28: sbatch runs there over the existing SSH code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from ddp_train.launch.errors import LaunchError
+from ddp_train.launch.plan.inventory import Node
+
+BACKENDS = ("ssh", "slurm")
+SUBMIT_GROUPS = ("slurm_login", "slurm_controller")
+# sbatch(1) --time: "minutes", "minutes:seconds", "hours:minutes:seconds", "days-hours",
+# "days-hours:minutes" and "days-hours:minutes:seconds"
+TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+FLAGS = ("partition", "account", "qos", "time", "nodes", "gpus_per_node", "constraint")
+
+
+@dataclasses.dataclass(frozen=True)
+class SlurmSettings:
+    submit: Node  # where sbatch/squeue/scancel run (over SSH, or locally)
+    group: str = "slurm_controller"  # the submit host's group
+    sources: tuple[str, ...] = ()  # the inventory (job.json keeps it for `ddp-launch status JOB`)
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    time: str | None = None
+    nodes: int | None = None  # default: the inventory's node count
+    gpus_per_node: int | None = None
+    exclusive: bool = False
+    constraint: str | None = None
+    signal_lead_s: int = 120  # --signal=B:USR1@lead: the driver stops the job this long before the limit
+    requeue: bool = False
+    max_requeues: int = 0
+
+    def sbatch_options(self, job_id: str, nodes: int) -> list[str]:
+        opts = [f"--job-name={job_id}", f"--nodes={self.nodes or nodes}", "--ntasks-per-node=1"]
+        for name in ("partition", "account", "qos", "time", "constraint"):
+            value = getattr(self, name)
+            if value:
+                opts.append(f"--{name}={value}")
+        if self.gpus_per_node:
+            opts.append(f"--gpus-per-node={self.gpus_per_node}")
+        if self.exclusive:
+            opts.append("--exclusive")
+        opts.append(f"--signal=B:USR1@{self.signal_lead_s}")
+        opts.append("--requeue" if self.requeue else "--no-requeue")
+        if self.requeue:
+            opts.append("--open-mode=append")
+        return opts
+
+
+def minutes(value: str) -> float | None:
+    """A Slurm time (sbatch --time, a partition's MaxTime) in minutes; None for UNLIMITED/INFINITE."""
+    if value.upper() in ("UNLIMITED", "INFINITE"):
+        return None
+    m = TIME.match(value.strip())
+    if not m:
+        raise ValueError(f"{value!r} is not a Slurm time ([days-]hours:minutes:seconds, or minutes)")
+    days, a, b, c = (int(x) if x else None for x in m.groups())
+    if days is not None:  # days-hours[:minutes[:seconds]]
+        return days * 1440 + (a or 0) * 60 + (b or 0) + (c or 0) / 60
+    if c is not None:  # hours:minutes:seconds
+        return (a or 0) * 60 + (b or 0) + c / 60
+    if b is not None:  # minutes:seconds
+        return (a or 0) + b / 60
+    return float(a or 0)
+
+
+def wanted(opts: argparse.Namespace, sources: Sequence[str], extra_vars: Sequence[str]) -> bool:
+    """--backend slurm, or (without --backend) ddp_backend: slurm in the inventory."""
+    if getattr(opts, "backend", None):
+        return bool(opts.backend == "slurm")
+    return _inventory(sources, extra_vars)[1].get("ddp_backend", "ssh") == "slurm"
+
+
+def load(opts: argparse.Namespace, sources: Sequence[str], extra_vars: Sequence[str]) -> SlurmSettings:
+    """The job's Slurm settings; LaunchError (one line naming the variable or flag) when one is bad."""
+    from ddp_train.launch.plan.inventory import load_nodes
+
+    groups, hostvars = _inventory(sources, extra_vars)
+    backend = hostvars.get("ddp_backend", "ssh")
+    if backend not in BACKENDS:
+        raise LaunchError(f"ddp_backend {backend!r}: ssh or slurm")
+    group = next((g for g in SUBMIT_GROUPS if groups.get(g)), None)
+    if group is None:
+        why = "ddp_backend: slurm" if backend == "slurm" and not opts.backend else "--backend slurm"
+        raise LaunchError(
+            f"{why} needs a slurm_controller (or slurm_login) group with one host in the inventory "
+            f"{', '.join(sources)}: sbatch runs there"
+        )
+    submit = load_nodes(sources, group=group, extra_vars=extra_vars)[0]
+    values: dict[str, Any] = {}
+    for name in FLAGS:
+        flag = getattr(opts, f"slurm_{name}", None)
+        values[name] = flag if flag is not None else hostvars.get(f"slurm_{name}")
+    for name in ("nodes", "gpus_per_node"):
+        if values[name] is not None:
+            values[name] = _positive(values[name], f"--{name.replace('_', '-')} / slurm_{name}")
+    if values["time"] is not None:
+        values["time"] = str(values["time"])
+        try:
+            minutes(values["time"])
+        except ValueError as e:
+            raise LaunchError(f"--time / slurm_time: {e}") from None
+    exclusive = bool(getattr(opts, "slurm_exclusive", False) or hostvars.get("slurm_exclusive", False))
+    lead = _positive(hostvars.get("slurm_signal_lead_s", 120), "slurm_signal_lead_s")
+    max_requeues = getattr(opts, "max_requeues", None)
+    if max_requeues is None:
+        max_requeues = hostvars.get("slurm_max_requeues", 0)
+    max_requeues = int(max_requeues)
+    requeue = bool(getattr(opts, "requeue", False) or hostvars.get("slurm_requeue", False) or max_requeues)
+    return SlurmSettings(
+        submit=submit,
+        group=group,
+        sources=tuple(sources),
+        exclusive=exclusive,
+        signal_lead_s=lead,
+        requeue=requeue,
+        max_requeues=max(max_requeues, 1) if requeue else 0,
+        **values,
+    )
+
+
+def _positive(value: Any, name: str) -> int:
+    try:
+        n = int(str(value), 10)
+    except ValueError:
+        n = 0
+    if isinstance(value, bool) or n < 1:
+        raise LaunchError(f"{name} {value!r}: a positive integer")
+    return n
+
+
+def _inventory(
+    sources: Sequence[str], extra_vars: Sequence[str]
+) -> tuple[dict[str, list[str]], dict[str, Any]]:
+    """(group -> hosts, the ddp_backend/slurm_* variables of the node group's first host)."""
+    from ddp_train.launch.plan import inventory as inv
+
+    with inv._quiet_ansible():
+        from ansible.inventory.manager import InventoryManager
+        from ansible.parsing.dataloader import DataLoader
+        from ansible.vars.manager import VariableManager
+
+        loader = DataLoader()
+        manager = InventoryManager(loader=loader, sources=list(sources))
+        groups = {name: [h.name for h in g.get_hosts()] for name, g in manager.groups.items()}
+        group = inv.DEFAULT_GROUP if groups.get(inv.DEFAULT_GROUP) else "all"
+        hosts = manager.get_hosts([group])
+        if not hosts:
+            return groups, {}
+        v = inv._Vars(
+            loader,
+            VariableManager(loader=loader, inventory=manager),
+            hosts[0],
+            inv._load_extra_vars(loader, extra_vars),
+            ", ".join(sources),
+        )
+        keys = [k for k in v.raw if k == "ddp_backend" or k.startswith("slurm_")]
+        return groups, {k: v.get(k) for k in keys}

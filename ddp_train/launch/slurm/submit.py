@@ -1,0 +1,251 @@
+"""SlurmBackend: the launch pipeline's Backend that submits the job with `sbatch --parsable` on the
+submit host (over SSH with the launcher's own sessions) and follows it there until it ends.
+
+prepare(): Slurm preflight on the submit host (reachable, partition exists and is UP, enough nodes,
+--time within the partition's MaxTime; one line each, exit 3, nothing submitted), then the batch script
+(driver.py's Python driver, the job inside it as base64 JSON; sbatch reads it on stdin) is submitted.
+run(): polls squeue (scontrol once it ended) and copies the driver's per-node output into logs/<job>/
+with the usual `[host rN]` prefix. SIGTERM (ddp-launch stop, a detached monitor's stop) is the clean
+stop (`scancel --batch --signal=TERM`); Ctrl-C only detaches: the job is Slurm's and keeps running.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from ddp_train import exitcodes
+from ddp_train.launch.jobs import jobstate
+from ddp_train.launch.pipeline import LaunchConfig, Refused
+from ddp_train.launch.plan.plan import JobPlan
+from ddp_train.launch.run.logs import JobLog
+from ddp_train.launch.run.report import JobResult
+from ddp_train.launch.slurm import jobctl
+from ddp_train.launch.slurm.driver import log_dir
+from ddp_train.launch.slurm.settings import SlurmSettings, minutes
+
+if TYPE_CHECKING:
+    from ddp_train.launch.remote.remote import Session
+
+POLL_S = 1.0
+
+
+def batch_script(plan: JobPlan, s: SlurmSettings) -> str:
+    """The script sbatch gets: #SBATCH lines, then the driver with the job as base64 JSON."""
+    p = plan.nodes[0]
+    config = None
+    if plan.config and p.config_path:
+        config = {"path": p.config_path, "text": Path(plan.config).read_text(encoding="utf-8")}
+    job = {
+        "job_id": plan.job_id,
+        "argv": list(p.argv),
+        "env": dict(p.env),
+        "static": plan.rdzv == "static",
+        "cidr": p.node.network_cidr,
+        "port": plan.master_port,
+        "venv": p.node.venv,
+        "workdir": p.cwd,
+        "config": config,
+        "max_requeues": s.max_requeues,
+    }
+    blob = base64.b64encode(json.dumps(job).encode()).decode()
+    lines = [f"#!{p.node.venv.rstrip('/')}/bin/python"]
+    lines += [f"#SBATCH {o}" for o in s.sbatch_options(plan.job_id, len(plan.nodes))]
+    if p.cwd:
+        lines.append(f"#SBATCH --chdir={p.cwd}")
+    lines.append("#SBATCH --output=ddp-slurm-%j.out")
+    lines += ["import sys", "from ddp_train.launch.slurm.driver import main", f'sys.exit(main("{blob}"))', ""]
+    return "\n".join(lines)
+
+
+def shown_script(plan: JobPlan, s: SlurmSettings) -> str:
+    """The batch script for --dry-run: the job line's environment masked."""
+    text = batch_script(plan, s)
+    return "\n".join(
+        ln
+        if not ln.startswith("sys.exit(main(")
+        else "sys.exit(main(<the job as base64 JSON, environment included>))"
+        for ln in text.splitlines()
+    )
+
+
+def preflight(session: Session, s: SlurmSettings, nodes: int) -> list[str]:
+    """Why the job cannot be submitted: one line each (empty: it can)."""
+    where = s.submit.name
+    rc, out = session.exec("scontrol --oneliner show partition", 30)
+    if rc != 0:
+        first = next((ln for ln in out.splitlines() if ln.strip()), f"exit {rc}")
+        return [f"Slurm is not reachable from {where}: scontrol show partition: {first}"]
+    parts = {}
+    for ln in out.splitlines():
+        f = dict(w.split("=", 1) for w in ln.split() if "=" in w)
+        if "PartitionName" in f:
+            parts[f["PartitionName"]] = f
+    name = s.partition or next((n for n, f in parts.items() if f.get("Default") == "YES"), None)
+    if name is None or name not in parts:
+        what = f"partition {name!r} does not exist" if name else "no --partition and no default partition"
+        return [f"{what} (partitions on {where}: {', '.join(parts) or 'none'})"]
+    part, problems = parts[name], []
+    if part.get("State") != "UP":
+        problems.append(f"partition {name} is {part.get('State')} (scontrol show partition {name})")
+    total = int(part.get("TotalNodes", "0") or 0)
+    want = s.nodes or nodes
+    if want > total:
+        problems.append(f"--nodes {want}: partition {name} has {total} node(s)")
+    if s.time:
+        limit = part.get("MaxTime", "UNLIMITED")
+        cap = minutes(limit)
+        if cap is not None and (minutes(s.time) or 0) > cap:
+            problems.append(f"--time {s.time} is over partition {name}'s MaxTime {limit}")
+    return problems
+
+
+class SlurmBackend:
+    """The job through sbatch/srun; every command on the submit host, through one SessionPool."""
+
+    def __init__(self, cfg: LaunchConfig, log: JobLog, settings: SlurmSettings) -> None:
+        from ddp_train.launch.remote.sessionpool import SessionPool
+
+        self.cfg, self.log, self.s = cfg, log, settings
+        self.pool = SessionPool(cfg.connect_timeout)
+        self.slurm_id = ""
+        self.stop_sent = False
+        self.detached = False
+
+    def __enter__(self) -> SlurmBackend:
+        return self
+
+    def __exit__(
+        self, _t: type[BaseException] | None, _e: BaseException | None, _tb: TracebackType | None
+    ) -> None:
+        self.pool.close()
+
+    def _session(self) -> Session:
+        return self.pool.get(self.s.submit)
+
+    def prepare(self, plan: JobPlan, on_plan: Callable[[JobPlan], None]) -> JobPlan:
+        from ddp_train.launch.remote.remote import RemoteError
+
+        log = self.log
+        if plan.sync:
+            log.note(
+                "--sync with --backend slurm: not supported yet (ship the code to the nodes first); "
+                "nothing was submitted"
+            )
+            raise Refused(exitcodes.BAD_INPUT)
+        try:
+            session = self._session()
+            problems = [] if self.cfg.skip_preflight else preflight(session, self.s, len(plan.nodes))
+            for line in problems:
+                log.note(f"preflight failed: {line}")
+            if problems:
+                log.note("nothing was submitted (fix the lines above, or --skip-preflight)")
+                raise Refused(exitcodes.PREFLIGHT)
+            rc, out = session.exec("sbatch --parsable", 60, stdin=batch_script(plan, self.s).encode())
+        except RemoteError as e:
+            log.note(f"preflight failed: Slurm is not reachable: {e}; nothing was submitted")
+            raise Refused(exitcodes.PREFLIGHT) from None
+        last = (out.strip().splitlines() or [""])[-1]
+        slurm_id = last.split(";")[0].strip()
+        if rc != 0 or not slurm_id.isdigit():
+            log.note(f"sbatch on {self.s.submit.name} failed (exit {rc}): {out.strip()}")
+            raise Refused(exitcodes.NODE_FAILED)
+        self.slurm_id = slurm_id
+        state = jobstate.state_path(self.cfg.log_dir, plan.job_id)
+        jobstate.update_state(
+            state,
+            slurm={
+                "id": slurm_id,
+                "submit": self.s.submit.name,
+                "group": self.s.group,
+                "sources": [str(Path(x).resolve()) if Path(x).exists() else x for x in self.s.sources],
+                "dir": log_dir(plan.nodes[0].cwd, slurm_id),
+            },
+        )
+        log.note(
+            f"submitted Slurm job {slurm_id} on {self.s.submit.name} ({len(plan.nodes)} nodes; "
+            f"ddp-launch status/logs/stop {plan.job_id})"
+        )
+        return plan
+
+    def run(self, plan: JobPlan, on_state: Callable[[str], None]) -> JobResult:
+        traps = (signal.SIGTERM,) + (() if self.cfg.monitor else (signal.SIGINT, signal.SIGHUP))
+        saved = {sig: signal.signal(sig, self._signal) for sig in traps}
+        try:
+            return self._follow(plan, on_state)
+        finally:
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
+
+    def _signal(self, signum: int, _frame: object) -> None:
+        if signum == signal.SIGTERM:
+            self.stop_sent = True  # the loop sends the stop (no SSH round trip in a handler)
+        else:
+            self.detached = True
+
+    def _follow(self, plan: JobPlan, on_state: Callable[[str], None]) -> JobResult:
+        from ddp_train.launch.remote.remote import RemoteError
+
+        log, slurm_id = self.log, self.slurm_id
+        nodes = {p.node.name: p.node for p in plan.nodes}
+        offsets: dict[str, int] = {}
+        shown, stopped = "", False
+        s = jobctl.SlurmState("PENDING")
+        t0 = time.monotonic()
+        batch = ""
+        while True:
+            try:
+                session = self._session()
+                if self.stop_sent and not stopped:
+                    stopped = True
+                    on_state("stopping")
+                    rc, out = jobctl.stop(session, slurm_id)
+                    log.note(
+                        f"stop: scancel --batch --signal=TERM {slurm_id} (every rank finishes its step "
+                        f"and saves){'' if rc == 0 else ': ' + out.strip()}"
+                    )
+                s = jobctl.query(session, slurm_id)
+                if s.state != shown:
+                    shown = s.state
+                    log.note(s.line(slurm_id))
+                    if s.state == "RUNNING" and not stopped:
+                        on_state("running")
+                batch = s.batch_host if s.batch_host in nodes else batch  # a requeued job has none
+                if batch:
+                    self._copy_logs(nodes[batch], plan, offsets)
+            except RemoteError as e:
+                log.note(f"cannot reach {self.s.submit.name}: {e}; retrying")
+            if self.detached:
+                log.note(
+                    f"detached from Slurm job {slurm_id}; it keeps running (ddp-launch status/logs/stop "
+                    f"{plan.job_id}; scancel {slurm_id})"
+                )
+                return JobResult(exitcodes.SIGINT, "detached", False, None, {}, time.monotonic() - t0)
+            if s.ended:
+                break
+            time.sleep(POLL_S)
+        code = jobctl.exit_code(s)
+        reason = s.line(slurm_id)
+        failure = None if code in (0, exitcodes.SIGTERM) else reason
+        elapsed = time.monotonic() - t0
+        return JobResult(code, reason, stopped and code == exitcodes.SIGTERM, failure, {}, elapsed)
+
+    def _copy_logs(self, batch: Any, plan: JobPlan, offsets: dict[str, int]) -> None:
+        directory = log_dir(plan.nodes[0].cwd, self.slurm_id)
+        python = f"{plan.nodes[0].node.venv.rstrip('/')}/bin/python"
+        got = jobctl.read_logs(self.pool.get(batch), python, directory, offsets)
+        for name, (offset, text) in got.items():
+            offsets[name] = offset
+            host, label = jobctl.label(name)
+            for line in text.splitlines():
+                self.log.line(host, label, line)
+
+
+def slurm_backend(settings: SlurmSettings) -> Callable[[LaunchConfig, JobLog], SlurmBackend]:
+    return lambda cfg, log: SlurmBackend(cfg, log, settings)

@@ -1,0 +1,218 @@
+"""`ddp-launch --backend slurm` on the namespace testbed with real Slurm 22.05 (the slurm role converged
+by molecule/slurm's prepare and converge playbooks on hosts of this module's own): the packaged trainer on
+three nodes through sbatch/srun, status RUNNING then COMPLETED, `ddp-launch stop JOB` (every rank saves,
+exit 143) and preflight's refusals. The hosts share /tmp with this machine: the project's venv and the
+run's directory are the same path on every node (the run's checkpoints are on "shared storage")."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.ansible.conftest import REPO_ROOT, tool_env
+from tests.cluster.test_launch_testbed import FINAL, SLOW, Launcher
+from tests.conftest import private_testbed
+from tests.testbed import Testbed, worker_net, worker_prefix
+
+pytestmark = [pytest.mark.testbed, pytest.mark.slow]
+
+LAUNCH = str(Path(sys.executable).parent / "ddp-launch")
+PREFIX, NET = worker_prefix("slb"), worker_net("10.213.187")
+PCI = f"/tmp/ddp-{PREFIX}-pci"
+# MaxTime for preflight's --time refusal; a requeued job waits cred_expire + 1 s before it starts again
+# (120 s by default, slurm.conf(5) AuthInfo)
+CONVERGE_VARS = {
+    "molecule_pci_root": PCI,
+    "slurm_partition_max_time": 60,
+    "slurm_extra_config": {"AuthInfo": "cred_expire=10"},
+}
+STOPPED = re.compile(
+    r"^\[(node\d) r\d\] ddp-train: stopped rank=(\d) world=3 step=(\d+) signal=SIGTERM", re.M
+)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Testbed, Path]]:
+    missing = [
+        b for b in ("slurmctld", "slurmd", "srun", "munged") if not shutil.which(b, path="/usr/sbin:/usr/bin")
+    ]
+    if missing:
+        pytest.skip(f"Slurm is not installed here ({', '.join(missing)}): bash .ci/setup --with-testbed")
+    root = tmp_path_factory.mktemp("slurm")
+    with private_testbed(PREFIX, NET, 3) as tb:
+        venv_bin = Path(sys.executable).parent
+        env = tool_env(venv_bin, root / "facts", MOLECULE_PROJECT_DIRECTORY=str(REPO_ROOT))
+        argv = [
+            str(venv_bin / "ansible-playbook"),
+            "-i",
+            str(tb.inventory),
+            "-i",
+            "molecule/slurm/inventory",
+            "-e",
+            yaml.safe_dump(CONVERGE_VARS, default_flow_style=True).strip(),
+            "molecule/slurm/prepare.yml",
+            "molecule/slurm/converge.yml",
+        ]
+        t0 = time.monotonic()
+        res = subprocess.run(
+            argv,
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=1500,
+        )
+        print(f"slurm converge on {PREFIX}: rc={res.returncode} in {time.monotonic() - t0:.0f}s")
+        assert res.returncode == 0, res.stdout[-5000:]
+        inv = yaml.safe_load(tb.inventory.read_text())
+        inv["all"]["vars"].update(ddp_venv=sys.prefix, ddp_workdir=str(root / "work"))
+        inv["all"]["children"]["slurm_controller"] = {"hosts": {"node0": None}}
+        (root / "work").mkdir()
+        (root / "inventory").mkdir()
+        (root / "inventory" / "hosts.yml").write_text(yaml.safe_dump(inv, sort_keys=False))
+        try:
+            yield tb, root
+        finally:
+            shutil.rmtree(PCI, ignore_errors=True)
+
+
+def ddp_launch(args: list[str], cwd: Path, timeout: float = 300) -> tuple[int, str]:
+    res = subprocess.run(
+        [LAUNCH, *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    return res.returncode, res.stdout
+
+
+def test_three_nodes_through_sbatch_finish_with_identical_params(cluster) -> None:
+    tb, root = cluster
+    inv = str(root / "inventory")
+    code, out = ddp_launch(
+        [
+            "--backend",
+            "slurm",
+            "--hosts",
+            inv,
+            "--job-id",
+            "sl-ok",
+            "--time",
+            "10",
+            "--set",
+            "train.max_steps=12",
+            "--set",
+            "run.dir=runs-sl-ok",
+        ],
+        root,
+    )
+    assert code == 0, out
+    finals = [FINAL.match(ln).groups() for ln in out.splitlines() if FINAL.match(ln)]
+    assert sorted((h, r, rank, world, step) for h, r, rank, world, step, _ in finals) == [
+        ("node0", "0", "0", "3", "12"),
+        ("node1", "1", "1", "3", "12"),
+        ("node2", "2", "2", "3", "12"),
+    ], out
+    assert len({sha for *_, sha in finals}) == 1, "ranks ended with different parameters"
+    slurm_id = re.search(r"submitted Slurm job (\d+) on node0", out).group(1)
+    states = re.findall(rf"Slurm job {slurm_id}: (\w+)", out)
+    assert "RUNNING" in states and states[-1] == "COMPLETED", out
+    assert states.index("RUNNING") < states.index("COMPLETED")
+    assert f"MASTER_ADDR={tb.hosts()[0].ip}" in out  # node 0's own address in ddp_network_cidr
+    code, status = ddp_launch(["status", "sl-ok"], root, 120)
+    assert code == 0 and f"Slurm job {slurm_id}: COMPLETED" in status and "exit 0" in status, status
+    logs = root / "logs" / "sl-ok"
+    for i in range(3):
+        lines = (logs / f"node{i}.log").read_text().splitlines()
+        assert any(f" [node{i} r{i}] ddp-train: final" in ln for ln in lines), lines[-5:]
+
+
+def test_stop_job_saves_on_every_rank_and_exits_143(cluster) -> None:
+    tb, root = cluster
+    inv = str(root / "inventory")
+    run = Launcher(
+        ["--backend", "slurm", "--hosts", inv, "--job-id", "sl-stop", "--set", "run.dir=runs-sl-stop", *SLOW],
+        root,
+    )
+    try:
+        run.wait_for(r"\[node0 r0\] .*step \d+/2000", timeout=180)
+        code, out = ddp_launch(["stop", "sl-stop"], root, 180)
+        assert code == 0, out
+        assert run.wait(120) == 143, run.text
+    finally:
+        run.stop()
+    stops = STOPPED.findall(run.text)
+    assert sorted(h for h, _, _ in stops) == ["node0", "node1", "node2"], run.text
+    assert len({step for *_, step in stops}) == 1, run.text
+    assert "scancel --batch --signal=TERM" in run.text and "Traceback" not in run.text
+    assert re.search(r"Slurm job \d+: FAILED .*exit 143", run.text), run.text
+    ckpts = list((root / "work" / "runs-sl-stop").rglob("*.pt"))
+    assert ckpts, "rank 0 saved no checkpoint"
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (
+            ["--partition", "nope"],
+            r"preflight failed: partition 'nope' does not exist \(partitions on node0: gpu\)",
+        ),
+        (["--nodes", "4"], r"preflight failed: --nodes 4: partition gpu has 3 node\(s\)"),
+        (
+            ["--time", "2-00:00:00"],
+            r"preflight failed: --time 2-00:00:00 is over partition gpu's MaxTime 01:00:00",
+        ),
+    ],
+)
+def test_preflight_refuses_and_submits_nothing(cluster, args: list[str], line: str) -> None:
+    tb, root = cluster
+    inv = str(root / "inventory")
+    code, out = ddp_launch(["--backend", "slurm", "--hosts", inv, *args], root, 120)
+    assert code == 3, out
+    assert re.search(line, out), out
+    assert "nothing was submitted" in out and "submitted Slurm job" not in out
+    queue = tb.ssh(tb.hosts()[0], "squeue --noheader", check=False).stdout
+    assert queue.strip() == "", queue
+
+
+def test_usr1_before_the_time_limit_with_requeue_saves_requeues_and_resumes(cluster) -> None:
+    """What --signal=B:USR1@lead does before the time limit, sent at once with `scancel --batch
+    --signal=USR1` (as the time limit would, up to a minute early: sbatch(1) --signal)."""
+    tb, root = cluster
+    inv = str(root / "inventory")
+    train = ["--set", "train.max_steps=300", "--set", "debug.step_delay_s=0.2", "--set", "run.dir=runs-sl-rq"]
+    run = Launcher(["--backend", "slurm", "--hosts", inv, "--job-id", "sl-rq", "--requeue", *train], root)
+    try:
+        run.wait_for(r"\[node0 r0\] .*step \d+/300", timeout=180)
+        slurm_id = re.search(r"submitted Slurm job (\d+)", run.text).group(1)
+        tb.ssh(tb.hosts()[0], f"scancel --batch --signal=USR1 {slurm_id}")
+        code = run.wait(400)
+    finally:
+        run.stop()
+    assert code == 0, run.text
+    stops = STOPPED.findall(run.text)
+    assert sorted(h for h, _, _ in stops) == ["node0", "node1", "node2"], run.text
+    step = stops[0][2]
+    assert "requeued (1/1)" in run.text, run.text
+    assert re.search(rf"resumed from \S+ at step {step}\b", run.text), run.text
+    finals = [FINAL.match(ln).groups() for ln in run.text.splitlines() if FINAL.match(ln)]
+    assert sorted((h, step) for h, _, _, _, step, _ in finals) == [
+        ("node0", "300"),
+        ("node1", "300"),
+        ("node2", "300"),
+    ]
+    assert len({sha for *_, sha in finals}) == 1
+    assert re.findall(rf"Slurm job {slurm_id}: (\w+)", run.text)[-1] == "COMPLETED", run.text

@@ -1,0 +1,241 @@
+"""The Slurm backend without Slurm: times, the sbatch options, the batch script, torchrun's argv on a node,
+preflight's lines from scontrol's output, and the inventory's bad input (launch/slurm/)."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddp_train.launch.errors import LaunchError
+from ddp_train.launch.plan.inventory import load_nodes
+from ddp_train.launch.plan.plan import Options, build_plan
+from ddp_train.launch.slurm import driver, jobctl, settings, submit
+
+PARTITIONS = (
+    "PartitionName=gpu AllowGroups=ALL Default=YES MaxTime=01:00:00 State=UP TotalNodes=3 TotalCPUs=6\n"
+    "PartitionName=down AllowGroups=ALL Default=NO MaxTime=UNLIMITED State=DOWN TotalNodes=1\n"
+)
+
+
+class FakeSession:
+    def __init__(self, answers: dict[str, tuple[int, str]]) -> None:
+        self.answers, self.commands, self.stdin = answers, [], []
+
+    def exec(self, command: str, timeout: float = 30, stdin: bytes | None = None) -> tuple[int, str]:
+        self.commands.append(command)
+        self.stdin.append(stdin)
+        return next((v for k, v in self.answers.items() if command.startswith(k)), (1, "no answer"))
+
+
+def inventory(tmp_path: Path, *, controller: bool = True, extra: str = "") -> str:
+    path = tmp_path / "hosts.yml"
+    ctrl = "    slurm_controller:\n      hosts:\n        n0: {}\n" if controller else ""
+    path.write_text(
+        "all:\n  vars:\n    ansible_connection: local\n    ddp_backend: slurm\n" + extra + "  children:\n"
+        "    gpu_nodes:\n      hosts:\n        n0: {}\n        n1: {}\n" + ctrl
+    )
+    return str(path)
+
+
+def opts(**kw: object) -> argparse.Namespace:
+    base = {f"slurm_{f}": None for f in settings.FLAGS}
+    base.update(backend=None, slurm_exclusive=False, requeue=False, max_requeues=None)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+@pytest.mark.parametrize(
+    ("text", "minutes"),
+    [("30", 30), ("1:30", 1.5), ("02:00:00", 120), ("1-0", 1440), ("1-02:03", 1563), ("2-00:00:30", 2880.5)],
+)
+def test_slurm_times_in_minutes(text: str, minutes: float) -> None:
+    assert settings.minutes(text) == minutes
+
+
+def test_unlimited_and_bad_times() -> None:
+    assert settings.minutes("UNLIMITED") is None and settings.minutes("INFINITE") is None
+    with pytest.raises(ValueError, match="not a Slurm time"):
+        settings.minutes("1h")
+
+
+def test_ddp_backend_slurm_without_a_controller_group_is_one_line_naming_it(tmp_path: Path) -> None:
+    inv = inventory(tmp_path, controller=False)
+    assert settings.wanted(opts(), [inv], [])
+    with pytest.raises(
+        LaunchError, match=r"^ddp_backend: slurm needs a slurm_controller \(or slurm_login\) group"
+    ):
+        settings.load(opts(), [inv], [])
+
+
+def test_the_cli_refuses_it_with_one_line_and_exit_2(tmp_path: Path) -> None:
+    inv = inventory(tmp_path, controller=False)
+    res = subprocess.run(
+        [sys.executable, "-m", "ddp_train.launch.cli", "--hosts", inv, "--dry-run"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.count("\n") == 1 and "slurm_controller" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_flags_win_over_inventory_variables(tmp_path: Path) -> None:
+    inv = inventory(tmp_path, extra="    slurm_partition: inv\n    slurm_time: '10'\n    slurm_qos: high\n")
+    s = settings.load(opts(slurm_partition="flag", requeue=True), [inv], [])
+    assert (s.partition, s.time, s.qos, s.submit.name, s.max_requeues) == ("flag", "10", "high", "n0", 1)
+    o = s.sbatch_options("job1", 2)
+    assert o[:3] == ["--job-name=job1", "--nodes=2", "--ntasks-per-node=1"]
+    assert {"--partition=flag", "--qos=high", "--time=10", "--requeue", "--signal=B:USR1@120"} <= set(o)
+    with pytest.raises(LaunchError, match="--time / slurm_time"):
+        settings.load(opts(slurm_time="soon"), [inv], [])
+    with pytest.raises(LaunchError, match="--nodes / slurm_nodes 0"):
+        settings.load(opts(slurm_nodes=0), [inv], [])
+
+
+def test_the_batch_script_is_python_and_carries_no_value_in_its_options(tmp_path: Path) -> None:
+    inv = inventory(tmp_path)
+    nodes = load_nodes([inv])
+    plan = build_plan(nodes, Options(job_id="sj", env={"HF_TOKEN": "hf_secret_value"}, trainer_args=("--x",)))
+    s = settings.load(opts(slurm_time="5"), [inv], [])
+    text = submit.batch_script(plan, s)
+    lines = text.splitlines()
+    assert lines[0] == f"#!{nodes[0].venv}/bin/python"
+    assert "#SBATCH --time=5" in lines and "hf_secret_value" not in "\n".join(lines[:-1])
+    blob = lines[-1].split('"')[1]
+    job = json.loads(base64.b64decode(blob))
+    assert job["env"]["HF_TOKEN"] == "hf_secret_value" and job["argv"][-1] == "--x" and job["static"]
+    assert "hf_secret_value" not in submit.shown_script(plan, s)
+
+
+def test_torchrun_argv_on_a_node_takes_the_drivers_address_and_its_rank() -> None:
+    template = [
+        "/v/bin/torchrun",
+        "--nnodes",
+        "3",
+        "--nproc-per-node",
+        "1",
+        "--node-rank",
+        "0",
+        "--master-addr",
+        "10.0.0.1",
+        "--master-port",
+        "29500",
+        "-m",
+        "ddp_train",
+        "--nnodes",
+        "9",
+    ]
+    out = driver.torchrun_argv(
+        template, rank=2, nnodes=2, addr="10.1.0.5", port=29501, local_addr=None, static=True
+    )
+    assert out == [
+        "/v/bin/torchrun",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--node-rank",
+        "2",
+        "--master-addr",
+        "10.1.0.5",
+        "--master-port",
+        "29501",
+        "-m",
+        "ddp_train",
+        "--nnodes",
+        "9",
+    ]
+    c10d = [
+        "/v/bin/torchrun",
+        "--nnodes",
+        "3",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "10.0.0.1:29500",
+        "--rdzv-id",
+        "j",
+        "--local-addr",
+        "10.0.0.2",
+        "x.py",
+    ]
+    out = driver.torchrun_argv(
+        c10d, rank=1, nnodes=3, addr="10.1.0.5", port=29502, local_addr="10.1.0.7", static=False
+    )
+    assert out[out.index("--rdzv-endpoint") + 1] == "10.1.0.5:29502"
+    assert out[out.index("--local-addr") + 1] == "10.1.0.7" and "--node-rank" not in out
+
+
+def test_preflight_one_line_per_problem(tmp_path: Path) -> None:
+    inv = inventory(tmp_path)
+    fake = FakeSession({"scontrol --oneliner show partition": (0, PARTITIONS)})
+    s = settings.load(opts(), [inv], [])
+    assert submit.preflight(fake, s, 3) == []
+    s = settings.load(opts(slurm_partition="nope"), [inv], [])
+    assert submit.preflight(fake, s, 2) == ["partition 'nope' does not exist (partitions on n0: gpu, down)"]
+    s = settings.load(opts(slurm_nodes=4, slurm_time="2:00:00"), [inv], [])
+    assert submit.preflight(fake, s, 2) == [
+        "--nodes 4: partition gpu has 3 node(s)",
+        "--time 2:00:00 is over partition gpu's MaxTime 01:00:00",
+    ]
+    s = settings.load(opts(slurm_partition="down"), [inv], [])
+    assert submit.preflight(fake, s, 1) == ["partition down is DOWN (scontrol show partition down)"]
+    dead = FakeSession({"scontrol": (1, "slurm_load_partitions: Unable to contact slurm controller")})
+    assert submit.preflight(dead, s, 1) == [
+        "Slurm is not reachable from n0: scontrol show partition: slurm_load_partitions: Unable to contact "
+        "slurm controller"
+    ]
+
+
+def test_state_from_squeue_then_scontrol_then_sacct() -> None:
+    live = FakeSession({"squeue": (0, "RUNNING|None|n[0-1]|n0")})
+    assert jobctl.query(live, "7") == jobctl.SlurmState("RUNNING", "None", "n[0-1]", "n0")
+    ended = FakeSession(
+        {
+            "squeue": (0, ""),
+            "scontrol": (
+                0,
+                "JobId=7 JobState=FAILED Reason=NonZeroExitCode NodeList=n[0-1] BatchHost=n0 ExitCode=143:0",
+            ),
+        }
+    )
+    s = jobctl.query(ended, "7")
+    assert (s.state, s.exit_code, s.ended, jobctl.exit_code(s)) == ("FAILED", 143, True, 143)
+    gone = FakeSession(
+        {
+            "squeue": (1, "Invalid job id"),
+            "scontrol": (1, "Invalid job id"),
+            "sacct": (0, "COMPLETED|0:0|n[0-1]"),
+        }
+    )
+    s = jobctl.query(gone, "7")
+    assert (s.state, jobctl.exit_code(s)) == ("COMPLETED", 0)
+    assert jobctl._exit("0:9") == 137
+
+
+def test_in_a_slurm_step_a_second_sigterm_is_the_same_stop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain scancel: slurmstepd and torchrun each send the worker SIGTERM; it must still save."""
+    import os
+    import signal
+
+    from ddp_train.trainer import StopRequest
+
+    monkeypatch.setenv("DDP_SLURM_STEP", "1")
+    stop = StopRequest()
+    stop.install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # without DDP_SLURM_STEP this one would kill pytest
+        assert stop.signum == signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) == stop._handle
+    finally:
+        stop.restore()
