@@ -1,6 +1,7 @@
 """`--detach` with the monitor on the cluster (issue 30, launch/jobs/clustermon.py), over real SSH on a
-three-host namespace testbed: the launching process and its SSH sessions killed (the laptop gone), the
-job runs to its end under the monitor on node0; `status` and `stop` from another directory reach it."""
+three-host namespace testbed provisioned by roles/cluster_monitor: the launching process and its SSH
+sessions killed (the laptop gone), the job runs to its end under the monitor on node0, which reaches
+the nodes with the role's key and known hosts; `status` and `stop` from another directory reach it."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.ansible.conftest import run, tool_env
 from tests.cluster.test_launch_testbed import LAUNCH, job_pids, make_inventory
 from tests.conftest import private_testbed
 from tests.testbed import Testbed, worker_net, worker_prefix
@@ -23,6 +25,7 @@ from tests.testbed import Testbed, worker_net, worker_prefix
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 
 PREFIX, NET = worker_prefix("dtc"), worker_net("10.213.180")
+HOSTKEY = "ssh_host_ed25519_key.pub"  # where the testbed keeps each host's (tests/testbed)
 
 
 @pytest.fixture(scope="module")
@@ -31,19 +34,38 @@ def bed() -> Iterator[Testbed]:
         yield tb
 
 
-def cluster_inventory(tb: Testbed, root: Path) -> Path:
-    """The testbed's inventory plus the cluster-internal key, authorized as roles/cluster_monitor does:
-    only from the cluster's addresses (authorized_keys from=...)."""
-    key = root / "cluster_key"
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "ddp-cluster", "-f", str(key)],
-                   check=True)  # fmt: skip
-    authorized = tb.key_file.parent / "authorized_keys"  # every testbed sshd's AuthorizedKeysFile
-    with open(authorized, "a") as f:
-        f.write(f'from="{NET}.0/24" {Path(f"{key}.pub").read_text()}')
-    return make_inventory(tb, root, all_vars={
-        "ddp_cluster_key": str(key), "ddp_cluster_known_hosts": str(tb.known_hosts),
-        "ddp_monitor_dir": str(root / "monitor"),
-    })  # fmt: skip
+def provision(tb: Testbed, root: Path) -> Path:
+    """An inventory of the testbed, provisioned by playbooks/monitor.yml (roles/cluster_monitor) with its
+    defaults: the key in node0's ~/.ssh, every host key in node0's /etc/ssh/ssh_known_hosts (each host's
+    own /root and /etc are overlays). Applied twice (the second changes nothing), then in check mode.
+
+    The testbed's sshd reads one shared authorized_keys file, so the line the role wrote on each host
+    goes there, as it is (with its from=node0)."""
+    hostkeys = {h.name: {"cluster_monitor_host_key": str(tb.state_dir / "hosts" / h.name / HOSTKEY)}
+                for h in tb.hosts()}  # fmt: skip
+    inv = make_inventory(tb, root, host_vars=hostkeys, all_vars={"ddp_monitor_dir": str(root / "monitor")})
+    env = tool_env(Path(LAUNCH).parent, root / "facts")
+    playbook = [str(Path(LAUNCH).parent / "ansible-playbook"), "-i", str(inv), "playbooks/monitor.yml"]
+    for extra, changed in (([], r"changed=[1-9]"), ([], r"changed=0 "), (["--check"], r"changed=0 ")):
+        res = run([*playbook, *extra], env)
+        assert res.returncode == 0, res.stdout + res.stderr
+        recap = res.stdout[res.stdout.index("PLAY RECAP") :]
+        assert re.search(rf"node0\s+: ok=\d+\s+{changed}", recap), recap
+    lines = []
+    for h in tb.hosts():
+        written = tb.state_dir / "hosts" / h.name / "ovl" / "root" / "upper" / ".ssh" / "authorized_keys"
+        ours = [line for line in written.read_text().splitlines() if "ddp-cluster-monitor" in line]
+        assert len(ours) == 1 and ours[0].startswith(f'from="{tb.hosts()[0].ip}" ssh-ed25519 '), ours
+        lines += ours
+    known = (
+        tb.state_dir / "hosts" / "node0" / "ovl" / "etc" / "upper" / "ssh" / "ssh_known_hosts"
+    ).read_text()
+    assert all(f"{h.name} ssh-ed25519 " in known and f"{h.ip} ssh-ed25519 " in known for h in tb.hosts()), (
+        known
+    )
+    with open(tb.key_file.parent / "authorized_keys", "a") as f:  # every testbed sshd's AuthorizedKeysFile
+        f.write(lines[0] + "\n")
+    return inv
 
 
 def launch(
@@ -86,7 +108,7 @@ def kill_job(job: str) -> None:
 
 
 def test_the_job_outlives_the_laptop_and_is_found_from_anywhere(bed: Testbed, tmp_path: Path) -> None:
-    inv = cluster_inventory(bed, tmp_path)
+    inv = provision(bed, tmp_path)
     env = dict(os.environ, OMP_NUM_THREADS="1", XDG_STATE_HOME=str(tmp_path / "state"))
     other = tmp_path / "other-checkout"  # a second controller directory: no logs/ of the job there
     other.mkdir()

@@ -104,6 +104,8 @@ def test_the_supervisor_is_a_transient_systemd_service_with_the_output_appended(
     assert f"--property=StandardOutput=append:{tmp_path}/console.log" in argv
     assert argv[-4:] == ["--", "/v/bin/python", "-m", "x"]
     assert clustermon.systemd_booted() == os.path.isdir("/run/systemd/system")
+    systemd = clustermon.systemd_booted() and os.geteuid() == 0  # a system service: root's only
+    assert clustermon.supervisor() == ("systemd" if systemd else "setsid")
 
 
 def test_monitor_here_warns_that_this_machine_stops_the_job(

@@ -236,8 +236,17 @@ def proxy(record: dict[str, Any], args: list[str], connect_timeout: float = 10) 
 
 
 def systemd_booted() -> bool:
-    """sd_booted(3): systemd is PID 1 exactly when /run/systemd/system/ exists."""
+    """sd_booted(3): systemd is PID 1 exactly when /run/systemd/system/ exists
+    (https://man7.org/linux/man-pages/man3/sd_booted.3.html)."""
     return os.path.isdir("/run/systemd/system")
+
+
+def supervisor() -> str:
+    """systemd (a system service: root's) where systemd runs, else setsid. A user's own service manager
+    would stop with the user's last session unless lingering; setsid's process stays in the session's
+    scope, which logind ends only with KillUserProcesses=yes (default no on most distributions, and root
+    is excluded by KillExcludeUsers=root: logind.conf(5))."""
+    return "systemd" if systemd_booted() and os.geteuid() == 0 else "setsid"
 
 
 class Unit:
@@ -291,9 +300,8 @@ def remote_start(job_id: str, log_dir: str) -> int:
     path = job_dir / REQUEST_FILE
     jobstate.write_private(path, request)
     argv = [sys.executable, "-m", "ddp_train.launch.cli", MONITOR_REQUEST, str(path)]
-    supervisor = "systemd" if systemd_booted() else "setsid"
-    host = os.uname().nodename
-    return start_monitor(argv, job_id, job_dir, where=f"on {host} under {supervisor}", supervisor=supervisor)
+    how = supervisor()
+    return start_monitor(argv, job_id, job_dir, where=f"on {os.uname().nodename} under {how}", supervisor=how)
 
 
 def run_monitor(path: str) -> int:

@@ -151,8 +151,13 @@ def start_monitor(argv: list[str], job_id: str, job_dir: Path, where: str, super
     with open(jobstate.open_private(console_path), "ab") as console:
         start = console.seek(0, os.SEEK_END)
         if supervisor == "systemd":
-            subprocess.run(clustermon.systemd_argv(job_id, console_path, argv), check=True,
-                           stdin=subprocess.DEVNULL)  # fmt: skip
+            unit = subprocess.run(
+                clustermon.systemd_argv(job_id, console_path, argv), stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False,
+            )  # fmt: skip
+            if unit.returncode != 0:
+                print(f"ddp-launch: error: systemd-run: {unit.stdout.strip()}", file=sys.stderr)
+                return exitcodes.NODE_FAILED
             proc = clustermon.Unit(f"{clustermon.UNIT_PREFIX}{job_id}", state_path)
         else:
             proc = subprocess.Popen(
