@@ -143,6 +143,14 @@ def test_the_job_outlives_the_laptop_and_is_found_from_anywhere(bed: Testbed, tm
             status.stdout
         )
         assert re.search(r"^node0\s+0\s+60/60\s", status.stdout, re.M), status.stdout
+        logs = launch(["logs", job, "--node", "node1"], other, env, timeout=60)  # node1's own log, over SSH
+        assert logs.returncode == 0 and re.search(r"ddp-train: final rank=1 world=3 step=60 ", logs.stdout), (
+            logs.stdout
+        )
+        attach = launch(["attach", job], other, env, timeout=60)  # an ended job: its last lines, its code
+        assert attach.returncode == 0 and f"attached to job {job} (finished (exit 0))" in attach.stdout, (
+            attach.stdout
+        )
         listed = launch(["jobs"], other, env, timeout=60)
         assert re.search(rf"^{job}\s+finished \(exit 0\)\s+3\s", listed.stdout, re.M), listed.stdout
 
