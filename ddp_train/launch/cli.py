@@ -26,10 +26,12 @@ from ddp_train import exitcodes
 from ddp_train.launch.errors import LaunchError, one_line
 
 if TYPE_CHECKING:  # the heavy modules load only when a command needs them
+    from ddp_train.launch.pipeline import LaunchConfig
     from ddp_train.launch.plan.plan import JobPlan
     from ddp_train.launch.slurm.settings import SlurmSettings
 
 MONITOR_ARGS = "--monitor-args-file"  # what --detach starts: `cli --monitor-args-file FILE`
+MONITOR_REQUEST = "--monitor-request-file"  # what --detach starts on the cluster (jobs/clustermon.py)
 COMMANDS = ("run", "doctor", "check-script", "jobs", "status", "logs", "attach", "stop")
 COMMANDS += ("stage", "fetch", "restart")
 
@@ -72,6 +74,10 @@ def _main(argv: Sequence[str] | None) -> int:
         from ddp_train.launch.jobs.jobcmds import read_monitor_args
 
         args = read_monitor_args(args[1])
+    if args[:1] == [MONITOR_REQUEST]:  # a monitor on the cluster (--detach): the controller's prepared plan
+        from ddp_train.launch.jobs.clustermon import run_monitor
+
+        return run_monitor(args[1])
     shown = list(args)
     if args[:1] != ["run"] and (not args or args[0] not in COMMANDS):
         args = ["run", *args]
@@ -103,8 +109,17 @@ def _main(argv: Sequence[str] | None) -> int:
 
         try:
             job_id = check_job_id(opts.job_id or new_job_id())
+            # a Slurm job is Slurm's: it outlives this machine, whose monitor only follows it
+            here = opts.monitor_here or runargs.slurm_settings(opts) is not None
+            code = None if here else _detach_to_cluster(opts, trainer_args, job_id, shown)
+            if code is not None:
+                return code
         except LaunchError as e:
             return _usage(str(e))
+        if opts.monitor_here and runargs.slurm_settings(opts) is None:
+            from ddp_train.launch.jobs.clustermon import HERE_WARNING
+
+            print(HERE_WARNING, file=sys.stderr, flush=True)
         return detach(without_detach(args[1:]), job_id, opts.log_dir)
     try:
         plan = runargs.build(opts, trainer_args, doctor)
@@ -208,29 +223,48 @@ def _slurm_dry_run(plan: JobPlan, slurm: SlurmSettings) -> int:
     return 0
 
 
+def _detach_to_cluster(opts: argparse.Namespace, trainer_args: list[str], job_id: str,
+                       argv: Sequence[str]) -> int | None:  # fmt: skip
+    """--detach with the monitor on the cluster (jobs/clustermon.py); None when the monitor host is this
+    machine (a local inventory), which the local detach serves."""
+    from ddp_train.launch import runargs
+    from ddp_train.launch.jobs import clustermon
+
+    opts.job_id = job_id
+    plan = runargs.build(opts, trainer_args, False)
+    monitor = clustermon.monitor_node(plan, opts)
+    if monitor is None:
+        return None
+    runargs.controller_limits(plan, opts)
+    return clustermon.detach_to_cluster(_config(plan, opts, argv), monitor)
+
+
 def _launch(
     plan: JobPlan, opts: argparse.Namespace, argv: Sequence[str], slurm: SlurmSettings | None = None
 ) -> int:
-    from ddp_train.launch.pipeline import LaunchConfig, launch
+    from ddp_train.launch.pipeline import launch
     from ddp_train.launch.slurm.submit import slurm_backend
 
-    return launch(
-        LaunchConfig(
-            plan,
-            argv,
-            log_dir=opts.log_dir,
-            monitor=opts.monitor,
-            connect_timeout=opts.connect_timeout,
-            net_timeout=opts.net_timeout,
-            skip_preflight=opts.skip_preflight,
-            strict=opts.strict,
-            sync_via=opts.sync_via,
-            grace=opts.grace,
-            timeout=opts.timeout,
-            stall_timeout=opts.stall_timeout,
-            overrides=tuple(opts.overrides),
-        ),
-        backend=slurm_backend(slurm) if slurm else None,
+    return launch(_config(plan, opts, argv), backend=slurm_backend(slurm) if slurm else None)
+
+
+def _config(plan: JobPlan, opts: argparse.Namespace, argv: Sequence[str]) -> LaunchConfig:
+    from ddp_train.launch.pipeline import LaunchConfig
+
+    return LaunchConfig(
+        plan,
+        argv,
+        log_dir=opts.log_dir,
+        monitor=opts.monitor,
+        connect_timeout=opts.connect_timeout,
+        net_timeout=opts.net_timeout,
+        skip_preflight=opts.skip_preflight,
+        strict=opts.strict,
+        sync_via=opts.sync_via,
+        grace=opts.grace,
+        timeout=opts.timeout,
+        stall_timeout=opts.stall_timeout,
+        overrides=tuple(opts.overrides),
     )
 
 

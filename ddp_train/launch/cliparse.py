@@ -207,8 +207,15 @@ def _run_options(run: argparse.ArgumentParser, job: argparse._ArgumentGroup) -> 
     job.add_argument(
         "--detach",
         action="store_true",
-        help="preflight, start the job, print its id and return; a background monitor (immune to SIGHUP "
-        "and to the terminal closing) runs it: ddp-launch jobs/status/logs/attach/stop JOB",
+        help="preflight, start the job, print its id and return; a monitor on the cluster (ddp_monitor_host, "
+        "else the master node; under systemd-run or setsid) runs it, so the job outlives this machine: "
+        "ddp-launch jobs/status/logs/attach/stop JOB from any directory",
+    )
+    job.add_argument(
+        "--monitor-here",
+        action="store_true",
+        help="with --detach: keep the monitor on this machine, whose sleep or lost network then stops the "
+        "job [the monitor runs on the cluster: ddp_monitor_host, else the master node]",
     )
     job.add_argument("--monitor", action="store_true", help=argparse.SUPPRESS)  # what --detach starts
     job.add_argument(

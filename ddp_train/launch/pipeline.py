@@ -43,6 +43,7 @@ class LaunchConfig:
     timeout: float | None = None
     stall_timeout: float | None = None
     overrides: Sequence[str] = ()
+    prepared: bool = False  # the controller prepared the nodes: a monitor on the cluster only runs it
 
 
 class Refused(Exception):
@@ -141,6 +142,8 @@ class SshBackend:
         from ddp_train.launch.preflight.preflight import check_space, run_preflight
 
         cfg, log = self.cfg, self.log
+        if cfg.prepared:  # launch/jobs/clustermon.py: the controller did all of this before the handoff
+            return plan
         if plan.sync and not self._sync(plan):
             raise Refused(exitcodes.NODE_FAILED)
         if not cfg.skip_preflight:

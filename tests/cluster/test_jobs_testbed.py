@@ -61,7 +61,7 @@ def test_a_killed_detached_monitor_stops_every_host_over_ssh(testbed: Testbed, t
     for old in Path("/tmp").glob(f"ddp-agent-{job}-*/"):  # the hosts share this machine's /tmp
         shutil.rmtree(old)
     args = ["--hosts", str(inv), "--set", "train.max_steps=2000", "--set", "debug.step_delay_s=0.2",
-            "--set", "log.interval_steps=2", "--detach", "--job-id", job]  # fmt: skip
+            "--set", "log.interval_steps=2", "--detach", "--monitor-here", "--job-id", job]  # fmt: skip
     try:
         out = launch(args, tmp_path)
         assert out.returncode == 0 and f"job {job} runs detached on 3 nodes" in out.stdout, out.stdout

@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from ddp_train import exitcodes
-from ddp_train.launch.jobs import jobstate
+from ddp_train.launch.jobs import clustermon, jobstate
 from ddp_train.launch.plan.plan import JOB_ID
 from ddp_train.launch.run.logs import host_log_path, table
 from ddp_train.launch.run.progress import duration, read_host_log
 
 POLL_S = 0.3
+PROXIED = os.environ.get(clustermon.PROXIED_ENV) == "1"  # run by clustermon.proxy: its records are not ours
 
 
 def add_parsers(sub: Any) -> None:
@@ -51,12 +52,22 @@ def main(opts: argparse.Namespace) -> int:
     """Run the job command `opts.command` (parsed by add_parsers)."""
     command = opts.command
     if command == "jobs":
-        return _jobs(Path(opts.log_dir))
+        code = _jobs(Path(opts.log_dir))
+        for record in [] if PROXIED else clustermon.remote_records():  # the monitors on the cluster
+            print(f"\njobs of the monitor on {record['monitor']['name']} ({record['log_dir']}):", flush=True)
+            code = clustermon.proxy(record, ["jobs"]) or code
+        return code
     if not JOB_ID.match(opts.job):  # it names a directory under --log-dir: no path may come through
         print(f"ddp-launch: error: job {opts.job!r}: not a job id (letters, digits, '.', '_', '-')",
               file=sys.stderr)  # fmt: skip
         return exitcodes.BAD_INPUT
     data = jobstate.read_state(jobstate.state_path(opts.log_dir, opts.job))
+    record = None if data is not None or PROXIED else clustermon.load_record(opts.job)
+    if record:  # not under --log-dir: found by its job id, from any directory
+        if record.get("monitor"):
+            return clustermon.proxy(record, [command, opts.job, *_flags(opts)])
+        opts.log_dir = record.get("log_dir") or opts.log_dir
+        data = jobstate.read_state(jobstate.state_path(opts.log_dir, opts.job))
     if data is None:
         known = ", ".join(j["job_id"] for j in jobstate.list_jobs(opts.log_dir)[-5:]) or "none"
         print(f"ddp-launch: error: no job {opts.job!r} in {opts.log_dir}/ (recent: {known})", file=sys.stderr)
@@ -74,6 +85,13 @@ def main(opts: argparse.Namespace) -> int:
     if command == "attach":
         return _attach(job_dir, data)
     return _stop(job_dir, data, opts.no_wait)
+
+
+def _flags(opts: argparse.Namespace) -> list[str]:
+    """The job command's own options, for the same command on the monitor host."""
+    flags = ["-f"] if getattr(opts, "follow", False) else []
+    flags += ["--node", opts.node] if getattr(opts, "node", None) else []
+    return flags + (["--no-wait"] if getattr(opts, "no_wait", False) else [])
 
 
 _DESCRIPTIONS = {
@@ -114,29 +132,48 @@ def read_monitor_args(path: str) -> list[str]:
 
 
 def detach(run_args: list[str], job_id: str, log_dir: str) -> int:
-    """Start the monitor in the background, show its output until the job runs, return.
+    """Start the monitor in the background here, show its output until the job runs, return.
 
     The monitor's arguments (which may carry --env values) go in a 0600 file of the job's 0700 directory,
     not on its command line, where `ps` would show them for the whole job."""
     job_dir = jobstate.private_dir(Path(log_dir) / job_id)
+    args_path = job_dir / MONITOR_ARGS_FILE
+    monitor_args = ["run", "--monitor", "--job-id", job_id, *run_args]
+    clustermon.save_record(job_id, None, log_dir)  # `status JOB` from any directory finds it
+    jobstate.write_private(args_path, json.dumps(monitor_args).encode())
+    argv = [sys.executable, "-m", "ddp_train.launch.cli", "--monitor-args-file", str(args_path.resolve())]
+    return start_monitor(argv, job_id, job_dir, where="")
+
+
+def start_monitor(argv: list[str], job_id: str, job_dir: Path, where: str, supervisor: str = "setsid") -> int:
+    """Start the monitor `argv` (setsid, or a systemd unit: clustermon), its output to console.log, show
+    that until the job runs on every node (or the monitor gives up); its exit code then, else 0."""
     console_path = job_dir / jobstate.CONSOLE_FILE
     state_path = job_dir / jobstate.STATE_FILE
     if state_path.exists():
         state_path.unlink()  # a previous run of this job id: its state is not this one's
-    args_path = job_dir / MONITOR_ARGS_FILE
-    monitor_args = ["run", "--monitor", "--job-id", job_id, *run_args]
-    jobstate.write_private(args_path, json.dumps(monitor_args).encode())
+    proc: Any
     with open(jobstate.open_private(console_path), "ab") as console:
         start = console.seek(0, os.SEEK_END)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "ddp_train.launch.cli", "--monitor-args-file", str(args_path.resolve())],
-            stdin=subprocess.DEVNULL,
-            stdout=console,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # setsid: no controlling terminal, no SIGHUP when it closes
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            close_fds=True,
-        )
+        if supervisor == "systemd":
+            unit = subprocess.run(
+                clustermon.systemd_argv(job_id, console_path, argv), stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False,
+            )  # fmt: skip
+            if unit.returncode != 0:
+                print(f"ddp-launch: error: systemd-run: {unit.stdout.strip()}", file=sys.stderr)
+                return exitcodes.NODE_FAILED
+            proc = clustermon.Unit(f"{clustermon.UNIT_PREFIX}{job_id}", state_path)
+        else:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=console,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # setsid: no controlling terminal, no SIGHUP when it closes
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                close_fds=True,
+            )
     shown = start
     try:
         while True:
@@ -147,7 +184,7 @@ def detach(run_args: list[str], job_id: str, log_dir: str) -> int:
                 break
             time.sleep(POLL_S)
     except KeyboardInterrupt:
-        os.kill(proc.pid, signal.SIGTERM)
+        proc.terminate()
         print(f"\nddp-launch: interrupted; stopping job {job_id} (monitor pid {proc.pid})", file=sys.stderr)
         return 130
     if code is None and data.get("state") == "finished":  # it wrote its end; its process is exiting
@@ -161,9 +198,9 @@ def detach(run_args: list[str], job_id: str, log_dir: str) -> int:
         return code
     print(
         f"ddp-launch: job {job_id} runs detached on {len(data.get('nodes') or [])} nodes (monitor pid "
-        f"{proc.pid}); its output: {console_path}\n"
+        f"{data.get('pid') or proc.pid}{' ' + where if where else ''}); its output: {console_path}\n"
         f"  ddp-launch status {job_id}    ddp-launch attach {job_id}    ddp-launch logs {job_id} -f\n"
-        f"  ddp-launch stop {job_id}      (add --log-dir {log_dir} when not run from this directory)",
+        f"  ddp-launch stop {job_id}      (from any directory of this machine)",
         flush=True,
     )
     return 0

@@ -83,6 +83,12 @@ class Node:
     forks: int | None = None  # ddp_forks: the default of --forks
     rdma: str = "auto"  # ddp_rdma: auto | on | off (launch/preflight/rdma.py; --rdma wins)
     gpu_idle_warn: float = 20.0  # ddp_gpu_idle_warn: `status` flags a node below it (mean GPU %) as starving
+    # --detach's monitor on the cluster (launch/jobs/clustermon.py): its host, its state directory there,
+    # the cluster-internal key and known_hosts it reaches the nodes with (roles/cluster_monitor)
+    monitor_host: str | None = None  # ddp_monitor_host [the master node]
+    monitor_dir: str = ".ddp-train/jobs"  # ddp_monitor_dir (relative: to the monitor user's home)
+    cluster_key: str = "~/.ssh/ddp_cluster_ed25519"  # ddp_cluster_key, on the monitor host
+    cluster_known_hosts: str = "/etc/ssh/ssh_known_hosts"  # ddp_cluster_known_hosts (and ~/.ssh/known_hosts)
 
     @property
     def where(self) -> str:
@@ -345,6 +351,10 @@ def _node(loader: Any, variables: Any, host: Any, extra: Mapping[str, Any], wher
         forks=_forks(v),
         rdma=_rdma(v),
         gpu_idle_warn=_percent(v, "ddp_gpu_idle_warn", 20.0),
+        monitor_host=v.text("ddp_monitor_host"),
+        monitor_dir=v.text("ddp_monitor_dir", default=".ddp-train/jobs") or ".ddp-train/jobs",
+        cluster_key=v.text("ddp_cluster_key", default="~/.ssh/ddp_cluster_ed25519") or "",
+        cluster_known_hosts=v.text("ddp_cluster_known_hosts", default="/etc/ssh/ssh_known_hosts") or "",
     )
 
 

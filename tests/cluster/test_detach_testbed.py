@@ -1,0 +1,174 @@
+"""`--detach` with the monitor on the cluster (issue 30, launch/jobs/clustermon.py), over real SSH on a
+three-host namespace testbed provisioned by roles/cluster_monitor: the launching process and its SSH
+sessions killed (the laptop gone), the job runs to its end under the monitor on node0, which reaches
+the nodes with the role's key and known hosts; `status` and `stop` from another directory reach it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.ansible.conftest import run, tool_env
+from tests.cluster.test_launch_testbed import LAUNCH, job_pids, make_inventory
+from tests.conftest import private_testbed
+from tests.testbed import Testbed, worker_net, worker_prefix
+
+pytestmark = [pytest.mark.testbed, pytest.mark.slow]
+
+PREFIX, NET = worker_prefix("dtc"), worker_net("10.213.180")
+HOSTKEY = "ssh_host_ed25519_key.pub"  # where the testbed keeps each host's (tests/testbed)
+
+
+@pytest.fixture(scope="module")
+def bed() -> Iterator[Testbed]:
+    with private_testbed(PREFIX, NET, 3) as tb:
+        yield tb
+
+
+def provision(tb: Testbed, root: Path) -> Path:
+    """An inventory of the testbed, provisioned by playbooks/monitor.yml (roles/cluster_monitor) with its
+    defaults: the key in node0's ~/.ssh, every host key in node0's /etc/ssh/ssh_known_hosts (each host's
+    own /root and /etc are overlays). Applied twice (the second changes nothing), then in check mode.
+
+    The testbed's sshd reads one shared authorized_keys file, so the line the role wrote on each host
+    goes there, as it is (with its from=node0)."""
+    hostkeys = {h.name: {"cluster_monitor_host_key": str(tb.state_dir / "hosts" / h.name / HOSTKEY)}
+                for h in tb.hosts()}  # fmt: skip
+    inv = make_inventory(tb, root, host_vars=hostkeys, all_vars={"ddp_monitor_dir": str(root / "monitor")})
+    env = tool_env(Path(LAUNCH).parent, root / "facts")
+    playbook = [str(Path(LAUNCH).parent / "ansible-playbook"), "-i", str(inv), "playbooks/monitor.yml"]
+    for extra, changed in (([], r"changed=[1-9]"), ([], r"changed=0 "), (["--check"], r"changed=0 ")):
+        res = run([*playbook, *extra], env)
+        assert res.returncode == 0, res.stdout + res.stderr
+        recap = res.stdout[res.stdout.index("PLAY RECAP") :]
+        assert re.search(rf"node0\s+: ok=\d+\s+{changed}", recap), recap
+    lines = []
+    for h in tb.hosts():
+        written = tb.state_dir / "hosts" / h.name / "ovl" / "root" / "upper" / ".ssh" / "authorized_keys"
+        ours = [line for line in written.read_text().splitlines() if "ddp-cluster-monitor" in line]
+        assert len(ours) == 1 and ours[0].startswith(f'from="{tb.hosts()[0].ip}" ssh-ed25519 '), ours
+        lines += ours
+    known = (
+        tb.state_dir / "hosts" / "node0" / "ovl" / "etc" / "upper" / "ssh" / "ssh_known_hosts"
+    ).read_text()
+    assert all(f"{h.name} ssh-ed25519 " in known and f"{h.ip} ssh-ed25519 " in known for h in tb.hosts()), (
+        known
+    )
+    with open(tb.key_file.parent / "authorized_keys", "a") as f:  # every testbed sshd's AuthorizedKeysFile
+        f.write(lines[0] + "\n")
+    return inv
+
+
+def launch(
+    args: list[str], cwd: Path, env: dict[str, str], timeout: float = 180
+) -> subprocess.CompletedProcess:
+    return subprocess.run([LAUNCH, *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=timeout)  # fmt: skip
+
+
+def wait_for(what: str, check, timeout: float = 120):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not (found := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.3)
+    return found
+
+
+def state(root: Path, job: str) -> dict:
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads((root / "monitor" / job / "job.json").read_text())
+    return {}
+
+
+def controller_sessions(tb: Testbed) -> list[int]:
+    """The sshd processes on the hosts that serve a connection from the controller (the bridge)."""
+    pids = []
+    for h in tb.hosts():
+        out = subprocess.run(["ip", "netns", "exec", h.netns, "ss", "-Htnp", "state", "established",
+                              "( sport = :22 )"], capture_output=True, text=True).stdout  # fmt: skip
+        for line in out.splitlines():
+            if line.split()[3].rsplit(":", 1)[0] == tb.bridge_ip:
+                pids += [int(p) for p in re.findall(r"pid=(\d+)", line)]
+    return pids
+
+
+def kill_job(job: str) -> None:
+    for pid, _ in job_pids(job):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_the_job_outlives_the_laptop_and_is_found_from_anywhere(bed: Testbed, tmp_path: Path) -> None:
+    inv = provision(bed, tmp_path)
+    env = dict(os.environ, OMP_NUM_THREADS="1", XDG_STATE_HOME=str(tmp_path / "state"))
+    other = tmp_path / "other-checkout"  # a second controller directory: no logs/ of the job there
+    other.mkdir()
+    job, long_job = "dt-laptop", "dt-stop"
+    base = ["--hosts", str(inv), "--set", "log.interval_steps=2", "--detach"]
+    try:
+        laptop = subprocess.Popen(
+            [LAUNCH, *base, "--set", "train.max_steps=60", "--set", "debug.step_delay_s=0.2", "--job-id",
+             job],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        data = wait_for("the job to run", lambda: state(tmp_path, job).get("state") == "running" and
+                        state(tmp_path, job))  # fmt: skip
+        os.killpg(laptop.pid, signal.SIGKILL)  # the laptop gone: the launcher and its SSH connections
+        for pid in controller_sessions(bed):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        out = laptop.communicate(timeout=10)[0]
+        node0 = bed.hosts()[0]
+        assert data["detached"] and data["pid"] in bed.pids(node0), (data, out)  # the monitor: on node0
+        assert not [p for p, _ in job_pids(job) if not any(p in bed.pids(h) for h in bed.hosts())]
+        final = wait_for("the job to finish", lambda: state(tmp_path, job).get("state") == "finished" and
+                         state(tmp_path, job), timeout=180)  # fmt: skip
+        assert final["exit_code"] == 0, final
+        console = (tmp_path / "monitor" / job / "console.log").read_text()
+        assert len(re.findall(r"ddp-train: final rank=\d world=3 step=60 ", console)) == 3, console
+
+        status = launch(["status", job], other, env, timeout=60)
+        assert status.returncode == 0, status.stdout
+        assert f"job {job}: finished (exit 0)" in status.stdout and "(detached)" in status.stdout, (
+            status.stdout
+        )
+        assert re.search(r"^node0\s+0\s+60/60\s", status.stdout, re.M), status.stdout
+        logs = launch(["logs", job, "--node", "node1"], other, env, timeout=60)  # node1's own log, over SSH
+        assert logs.returncode == 0 and re.search(r"ddp-train: final rank=1 world=3 step=60 ", logs.stdout), (
+            logs.stdout
+        )
+        attach = launch(["attach", job], other, env, timeout=60)  # an ended job: its last lines, its code
+        assert attach.returncode == 0 and f"attached to job {job} (finished (exit 0))" in attach.stdout, (
+            attach.stdout
+        )
+        listed = launch(["jobs"], other, env, timeout=60)
+        assert re.search(rf"^{job}\s+finished \(exit 0\)\s+3\s", listed.stdout, re.M), listed.stdout
+
+        started = launch([*base, "--set", "train.max_steps=2000", "--set", "debug.step_delay_s=0.2",
+                          "--job-id", long_job], tmp_path, env)  # fmt: skip
+        assert started.returncode == 0 and f"job {long_job} runs detached on 3 nodes" in started.stdout, (
+            started.stdout
+        )
+        assert "under setsid" in started.stdout, started.stdout  # no systemd as PID 1 in a testbed host
+        log = tmp_path / "monitor" / long_job / "node0.log"
+        wait_for(
+            "a step line", lambda: log.exists() and re.search(r"INFO step [1-9]\d*/2000", log.read_text())
+        )
+        stop = launch(["stop", long_job], other, env, timeout=120)
+        assert stop.returncode == 0, stop.stdout
+        ranks = re.findall(r"ddp-train: stopped rank=(\d) world=3 step=\d+ signal=SIGTERM", stop.stdout)
+        assert sorted(ranks) == ["0", "1", "2"], stop.stdout  # every rank saved
+        assert state(tmp_path, long_job)["exit_code"] == 143
+    finally:
+        kill_job(job)
+        kill_job(long_job)

@@ -1,0 +1,122 @@
+"""--detach's monitor on the cluster without a cluster (launch/jobs/clustermon.py): the plan it gets
+(cluster-internal key and known hosts, nothing of the controller's), the records that find a job from
+any directory, the supervisor's command, and --monitor-here's warning."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import time
+from pathlib import Path
+
+import pytest
+
+from ddp_train.launch.cli import main
+from ddp_train.launch.jobs import clustermon, jobstate
+from ddp_train.launch.plan.inventory import Node, SshTarget
+from ddp_train.launch.plan.plan import Options, build_plan
+
+
+def _ssh(host: str) -> SshTarget:
+    return SshTarget(host=host, key_files=("/laptop/id",), password="pw", known_hosts_files=("/laptop/kh",),
+                     proxy_jump="bastion")  # fmt: skip
+
+
+def _nodes(**kw: object) -> list[Node]:
+    return [
+        Node(name=f"n{i}", address=f"10.0.0.{i}", local=False, ssh=_ssh(f"10.0.0.{i}"), venv="/v",
+             workdir=None, nproc="1", master_port=29500, env={}, **kw)  # type: ignore[arg-type]
+        for i in range(1, 4)
+    ]  # fmt: skip
+
+
+def test_the_monitor_reaches_the_nodes_with_the_cluster_key_never_the_controllers(tmp_path: Path) -> None:
+    plan = build_plan(_nodes(cluster_key="~/.ssh/k", cluster_known_hosts="/etc/ssh/ssh_known_hosts"),
+                      Options(job_id="j", env={"TOKEN": "s3cret"}))  # fmt: skip
+    ours = clustermon.cluster_plan(plan)
+    for p in ours.nodes:
+        assert p.node.ssh is not None
+        assert p.node.ssh.key_files == ("~/.ssh/k",) and p.node.ssh.known_hosts_files == (
+            "/etc/ssh/ssh_known_hosts",
+        )
+        assert (
+            p.node.ssh.password is None
+            and p.node.ssh.proxy_jump is None
+            and p.node.ssh.host.startswith("10.0.0.")
+        )
+    assert [p.argv for p in ours.nodes] == [
+        p.argv for p in plan.nodes
+    ] and ours.master_addr == plan.master_addr
+    request = tmp_path / "j" / clustermon.REQUEST_FILE
+    jobstate.private_dir(request.parent)
+    jobstate.write_private(request, pickle.dumps({"plan": ours}))
+    assert request.stat().st_mode & 0o777 == 0o600 and request.parent.stat().st_mode & 0o777 == 0o700
+
+
+def test_the_monitor_host_is_ddp_monitor_host_else_the_master_and_none_for_a_local_one() -> None:
+    opts = argparse.Namespace(hosts=None, extra_vars=[])
+    plan = build_plan(_nodes(), Options(job_id="j"))
+    assert clustermon.monitor_node(plan, opts).name == plan.master.node.name  # type: ignore[union-attr]
+    plan = build_plan(_nodes(monitor_host="n3"), Options(job_id="j"))
+    assert clustermon.monitor_node(plan, opts).name == "n3"  # type: ignore[union-attr]
+    local = [Node(name="l0", address="127.0.0.1", local=True, ssh=None, venv="/v", workdir="/w", nproc="1",
+                  master_port=29500, env={})]  # fmt: skip
+    assert clustermon.monitor_node(build_plan(local, Options(job_id="j")), opts) is None
+
+
+def test_a_record_finds_the_job_from_any_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    logs = tmp_path / "checkout" / "logs"
+    data = {
+        "job_id": "j1",
+        "pid": 0,
+        "state": "finished",
+        "exit_code": 0,
+        "started": time.time(),
+        "nodes": [],
+    }
+    jobstate.write_state(jobstate.state_path(logs, "j1"), data)
+    clustermon.save_record("j1", None, str(logs))
+    assert clustermon.record_path("j1").stat().st_mode & 0o777 == 0o600
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["status", "j1"]) == 0
+    assert "job j1: finished (exit 0)" in capsys.readouterr().out
+    node = _nodes()[0]
+    clustermon.save_record("j2", node, ".ddp-train/jobs")
+    record = clustermon.load_record("j2")
+    assert (
+        record
+        and "password" not in record["monitor"]["ssh"]
+        and "pw" not in clustermon.record_path("j2").read_text()
+    )
+    assert clustermon._record_node(record).ssh == SshTarget(**{**node.ssh.__dict__, "password": None})  # type: ignore[union-attr]
+    assert [r["job_id"] for r in clustermon.remote_records()] == ["j2"]
+
+
+def test_the_supervisor_is_a_transient_systemd_service_with_the_output_appended(tmp_path: Path) -> None:
+    argv = clustermon.systemd_argv("j1", tmp_path / "console.log", ["/v/bin/python", "-m", "x"])
+    assert argv[:2] == ["systemd-run", "--unit=ddp-job-j1"] and "--collect" in argv
+    assert f"--property=StandardOutput=append:{tmp_path}/console.log" in argv
+    assert argv[-4:] == ["--", "/v/bin/python", "-m", "x"]
+    assert clustermon.systemd_booted() == os.path.isdir("/run/systemd/system")
+    systemd = clustermon.systemd_booted() and os.geteuid() == 0  # a system service: root's only
+    assert clustermon.supervisor() == ("systemd" if systemd else "setsid")
+
+
+def test_monitor_here_warns_that_this_machine_stops_the_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from ddp_train.launch.jobs import jobcmds
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    seen = []
+    monkeypatch.setattr(jobcmds, "detach", lambda args, job, log_dir: seen.append(args) or 0)
+    assert main(["--hosts", "inv", "--detach", "--monitor-here", "--job-id", "j1"]) == 0
+    assert seen == [["--hosts", "inv", "--monitor-here", "--job-id", "j1"]]
+    err = capsys.readouterr().err
+    assert "--monitor-here" in err and "stops the job within 30 s" in err
