@@ -35,9 +35,9 @@ def bed() -> Iterator[Testbed]:
 
 
 def provision(tb: Testbed, root: Path) -> Path:
-    """An inventory of the testbed, provisioned by playbooks/monitor.yml (roles/cluster_monitor) with its
-    defaults: the key in node0's ~/.ssh, every host key in node0's /etc/ssh/ssh_known_hosts (each host's
-    own /root and /etc are overlays). Applied twice (the second changes nothing), then in check mode.
+    """An inventory of the testbed, provisioned by playbooks/cluster_monitor.yml (roles/cluster_monitor)
+    with its defaults: the key in node0's ~/.ssh, every host key in node0's /etc/ssh/ssh_known_hosts (each
+    host's own /root and /etc are overlays). Applied twice (the second changes nothing), then in check mode.
 
     The testbed's sshd reads one shared authorized_keys file, so the line the role wrote on each host
     goes there, as it is (with its from=node0)."""
@@ -45,7 +45,8 @@ def provision(tb: Testbed, root: Path) -> Path:
                 for h in tb.hosts()}  # fmt: skip
     inv = make_inventory(tb, root, host_vars=hostkeys, all_vars={"ddp_monitor_dir": str(root / "monitor")})
     env = tool_env(Path(LAUNCH).parent, root / "facts")
-    playbook = [str(Path(LAUNCH).parent / "ansible-playbook"), "-i", str(inv), "playbooks/monitor.yml"]
+    playbook = [str(Path(LAUNCH).parent / "ansible-playbook"), "-i", str(inv)]
+    playbook.append("playbooks/cluster_monitor.yml")
     for extra, changed in (([], r"changed=[1-9]"), ([], r"changed=0 "), (["--check"], r"changed=0 ")):
         res = run([*playbook, *extra], env)
         assert res.returncode == 0, res.stdout + res.stderr
