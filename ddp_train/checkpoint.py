@@ -175,7 +175,7 @@ def save_file(state: dict[str, Any], final: Path, delay_s: float = 0.0) -> Path:
     return publish(final, lambda f: torch.save(state, f), delay_s)
 
 
-def publish(final: Path, write: Callable[[BinaryIO], None], delay_s: float = 0.0) -> Path:
+def publish(final: Path, write: Callable[[BinaryIO], object], delay_s: float = 0.0) -> Path:
     """Give `final` the bytes write() puts in a temp file: flush, fsync, rename, fsync the directory."""
     directory = final.parent
     directory.mkdir(parents=True, exist_ok=True)
