@@ -270,7 +270,8 @@ class Replicas:
         if self.sender is None or self.last is None:
             return
         hosts = ", ".join(h for _, h, _ in self.sender.targets)
-        log.info("waiting up to %gs for the replica of %s on %s", self.timeout_s, self.last.name, hosts)
+        if not self.sender.wait(0):  # a line in the log if the process is killed while it waits
+            log.info("waiting up to %gs for the replica of %s on %s", self.timeout_s, self.last.name, hosts)
         if not self.sender.wait(self.timeout_s):
             log.warning("the replica of %s on %s did not complete within %gs: the last checkpoint is on this "
                         "node only", self.last.name, hosts, self.timeout_s)  # fmt: skip
