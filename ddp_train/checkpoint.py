@@ -2,14 +2,15 @@
 
 A file is published only by os.replace of a fully written, fsynced temp file in the same directory,
 so a crash leaves either the old set of checkpoints or the new one, plus at most a `*.tmp` that no
-scan ever picks up. Readers check the zip CRCs before trusting a file; a corrupt newest file is moved
-aside as `*.corrupt` and the previous checkpoint is used instead.
+scan ever picks up. Readers check the zip CRCs before trusting a file (and a replica's sha256: see
+replica.py); a corrupt newest file is moved aside as `*.corrupt` and the previous checkpoint is used.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import logging
 import os
 import random
@@ -19,7 +20,7 @@ import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch import nn
@@ -34,6 +35,7 @@ FORMAT = "ddp-train-checkpoint/1"
 BEST_FORMAT = "ddp-train-best/1"  # best.pt: the weights of the best step, no optimizer/data/RNG state
 REQUIRED_KEYS = ("format", "step", "model", "optimizer", "scheduler", "data", "rng", "config")
 _NAME = re.compile(r"^step-(\d{8,})\.pt$")
+REPLICA_INFO = ".replica.json"  # beside a replica: {"sha256", "from", "size"} (replica.Receiver)
 
 log = logging.getLogger("ddp_train.checkpoint")
 
@@ -113,8 +115,9 @@ def resumed_line(path: Path, state: dict[str, Any], host: str, src: int) -> str:
     checkpoint from before `provenance` has no job and save time: those parts are left out)."""
     job = f" of job {state['job']}" if state.get("job") else ""
     saved = f", saved {when(state['saved_at'])}" if state.get("saved_at") else ""
+    copy = f", a replica sent by {state['replica_from']}" if state.get("replica_from") else ""
     where = f" (on {host}, rank {src})" if src != 0 else ""
-    return f"resumed from {path} at step {state['step']}{job}{saved}{where}"
+    return f"resumed from {path} at step {state['step']}{job}{saved}{copy}{where}"
 
 
 def saved_at(path: Path) -> str:
@@ -128,6 +131,12 @@ def saved_at(path: Path) -> str:
 def checkpoint_name(step: int) -> str:
     """File name of the checkpoint taken after `step` optimizer steps."""
     return f"step-{step:08d}.pt"
+
+
+def step_of(name: str) -> int | None:
+    """The step of a checkpoint file name, None for any other name."""
+    m = _NAME.match(name)
+    return int(m.group(1)) if m else None
 
 
 def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
@@ -162,12 +171,18 @@ def save(state: dict[str, Any], directory: Path, step: int, delay_s: float = 0.0
 
 def save_file(state: dict[str, Any], final: Path, delay_s: float = 0.0) -> Path:
     """Write `state` to `final` atomically (also best.pt, which no listing or pruning ever sees)."""
+    replica_info(final).unlink(missing_ok=True)  # this node's own save: no longer a replica
+    return publish(final, lambda f: torch.save(state, f), delay_s)
+
+
+def publish(final: Path, write: Callable[[BinaryIO], object], delay_s: float = 0.0) -> Path:
+    """Give `final` the bytes write() puts in a temp file: flush, fsync, rename, fsync the directory."""
     directory = final.parent
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / (final.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         if delay_s:
@@ -196,7 +211,44 @@ def prune(directory: Path, keep_latest_k: int) -> list[Path]:
     doomed = [p for _, p in list_checkpoints(directory)[:-keep_latest_k]]
     for path in doomed:
         path.unlink(missing_ok=True)
+        replica_info(path).unlink(missing_ok=True)
     return doomed
+
+
+def replica_info(path: Path) -> Path:
+    """The file beside a replica that holds its sha256 and origin."""
+    return path.with_name(path.name + REPLICA_INFO)
+
+
+def write_replica_info(path: Path, info: dict[str, Any]) -> None:
+    """Record (atomically) that `path` is a replica with this sha256 and origin, before it is published."""
+    publish(replica_info(path), lambda f: f.write(json.dumps(info).encode()))
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(4 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_replica(path: Path) -> str | None:
+    """For a replica: its origin host, after its sha256 matched the one sent with it (else
+    CorruptCheckpoint); None for a checkpoint this node saved itself."""
+    try:
+        info = json.loads(replica_info(path).read_text())
+        want, origin = str(info["sha256"]), str(info.get("from") or "another node")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpoint(
+            path, f"unreadable {replica_info(path).name} ({type(exc).__name__})"
+        ) from None
+    got = sha256_file(path)
+    if got != want:
+        raise CorruptCheckpoint(path, f"replica sha256 {got[:12]} differs from {want[:12]} sent by {origin}")
+    return origin
 
 
 def remove_stale_temps(directory: Path) -> list[Path]:
@@ -228,6 +280,7 @@ def load(path: Path) -> dict[str, Any]:
     replaced by rename, never written in place, so a mapping stays valid.
     """
     verify(path)
+    origin = check_replica(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means the file is unusable
@@ -239,6 +292,8 @@ def load(path: Path) -> dict[str, Any]:
     missing = [k for k in REQUIRED_KEYS if k not in state]
     if missing:
         raise CorruptCheckpoint(path, f"checkpoint lacks {', '.join(missing)}")
+    if origin:
+        state["replica_from"] = origin
     return state
 
 
@@ -259,6 +314,7 @@ def load_latest(directory: Path) -> tuple[dict[str, Any], Path] | None:
         for bad, exc in corrupt:
             aside = bad.with_name(bad.name + ".corrupt")
             os.replace(bad, aside)
+            replica_info(bad).unlink(missing_ok=True)
             log.warning("%s; moved it to %s, falling back to %s", exc, aside.name, path.name)
         return state, path
     if corrupt:
@@ -266,6 +322,15 @@ def load_latest(directory: Path) -> tuple[dict[str, Any], Path] | None:
             directory, f"no usable checkpoint ({len(corrupt)} corrupt; newest: {corrupt[0][1]})"
         )
     return None
+
+
+def source_rank(reports: list[dict[str, Any]]) -> int | None:
+    """The rank whose node holds the checkpoint to resume from: the newest step wins; on a tie a node's
+    own save (it may be the origin of the other's replica) over a replica, then the lowest rank."""
+    steps = [
+        (r["step"], not r.get("copy"), -rank) for rank, r in enumerate(reports) if r.get("step") is not None
+    ]
+    return -max(steps)[2] if steps else None
 
 
 class Checkpointer:
@@ -277,6 +342,8 @@ class Checkpointer:
     (rank 0 on a tie, e.g. a shared directory), and that rank loads, checks and broadcasts it straight
     into the other ranks' tensors (distributed.broadcast_state): no shared disk, no CPU copy per rank.
     Long I/O on one rank is waited for on the store (distributed.wait_for_io), not in a collective.
+    With `replicas`, each save is also copied to the next node(s) in the background (replica.py), so
+    the newest step survives the loss of rank 0's node.
     """
 
     def __init__(
@@ -291,13 +358,23 @@ class Checkpointer:
         save_delay_s: float = 0.0,
         interval_steps: int = 0,
         best_path: Path | None = None,
+        replicas: int = 0,
+        world_size: int = 1,
+        local_world_size: int = 1,
+        master_addr: str | None = None,
     ) -> None:
+        from ddp_train.replica import Replicas  # replica.py builds on this module's file functions
+
         self.directory, self.rank, self.local_rank = directory, rank, local_rank
         self.resume, self.keep_latest_k = resume, keep_latest_k
         self.io_timeout_s, self.save_delay_s = io_timeout_s, save_delay_s
         self.interval_steps = interval_steps
         # <run dir>/best.pt: beside checkpoints/, so keep_latest_k rotation never sees it
         self.best_path = best_path
+        self.replicas = Replicas(directory, rank=rank, local_rank=local_rank, world_size=world_size,
+                                 local_world_size=local_world_size, replicas=replicas,
+                                 keep_latest_k=keep_latest_k, master_addr=master_addr,
+                                 timeout_s=io_timeout_s)  # fmt: skip
 
     @classmethod
     def from_config(cls, cfg: Config, env: DistEnv, save_delay_s: float = 0.0) -> Checkpointer:
@@ -313,6 +390,10 @@ class Checkpointer:
             save_delay_s=save_delay_s,
             interval_steps=c.interval_steps,
             best_path=cfg.run_dir / "best.pt",
+            replicas=c.replicas,
+            world_size=env.world_size,
+            local_world_size=env.local_world_size,
+            master_addr=env.master_addr,
         )
 
     def due(self, step: int, last: bool) -> bool:
@@ -322,6 +403,11 @@ class Checkpointer:
 
     def newest_step(self) -> int | None:
         """This node's newest checkpoint step (by name; its contents are checked when it is loaded)."""
+        found = self.newest()
+        return found[0] if found else None
+
+    def newest(self) -> tuple[int, Path] | None:
+        """This node's newest checkpoint (step, path), after the --fresh refusal and temp cleanup."""
         if self.resume == "never":
             existing = list_checkpoints(self.directory)
             if existing:
@@ -338,7 +424,7 @@ class Checkpointer:
         for tmp in remove_stale_temps(self.directory):
             log.warning("removed %s left by an interrupted save", tmp.name)
         found = list_checkpoints(self.directory)
-        return found[-1][0] if found else None
+        return found[-1] if found else None
 
     def restore(
         self, device: Any, into: dict[str, Any] | None = None
@@ -351,17 +437,20 @@ class Checkpointer:
         report: dict[str, Any] = {"step": None}
         if self.local_rank == 0:
             try:
-                report = {"step": self.newest_step(), "host": socket.gethostname()}
+                newest = self.newest()
+                report = {"step": newest[0] if newest else None, "host": socket.gethostname()}
+                report["copy"] = newest is not None and replica_info(newest[1]).exists()
             except UserError as exc:
                 report = {"error": [exc.source, exc.field, exc.message]}
+            report.update(self.replicas.offer())
         reports = distributed.all_gather_objects(report)
         for r in reports:
             if "error" in r:
                 raise UserError(*r["error"])
-        steps = [(r["step"], -rank) for rank, r in enumerate(reports) if r.get("step") is not None]
-        if not steps:
+        self.replicas.connect(reports)
+        src = source_rank(reports)
+        if src is None:
             return None
-        src = -max(steps)[1]
         header: dict[str, Any] = {"path": None}
         found = None
         if self.rank == src:
@@ -402,6 +491,14 @@ class Checkpointer:
         # rank 0's write + fsync may outlast the collective timeout: wait on the store, sized for I/O
         distributed.wait_for_io(0, self.io_timeout_s, what)
 
+    def finish(self) -> None:
+        """After the run's last save (every rank): rank 0 waits for its replica, or says it did not
+        complete; the others wait on the store, so the receiving rank is still there to finish it."""
+        if self.rank == 0:
+            self.replicas.finish()
+        distributed.wait_for_io(0, self.io_timeout_s, "the replica of its last checkpoint")
+        self.replicas.close()
+
     def save_best(
         self, weights: dict[str, Any], step: int, best: dict[str, Any], config: dict[str, Any]
     ) -> None:
@@ -439,3 +536,5 @@ class Checkpointer:
         # "saved ... in N.NNs": ddp-launch reads it to size the grace period of a stop (launch/run/job.py)
         seconds = time.perf_counter() - t0
         logging.getLogger("ddp_train").info("saved %s in %.2fs%s", final, seconds, deleted)
+        if path is None:
+            self.replicas.send(final)  # in the background: the next step does not wait for it

@@ -121,6 +121,7 @@ class CheckpointConfig:
     keep_latest_k: int = 3
     resume: str = "auto"
     io_timeout_s: float = 1800.0
+    replicas: int = 1
 
 
 @dataclass

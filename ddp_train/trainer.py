@@ -174,6 +174,7 @@ class Trainer:
             meter.bar.close()
             if self.saved_step != self.step:
                 self.save()
+            self.checkpoints.finish()  # the replica of the last save, before any rank exits
         finally:
             meter.close()
             collector.close()
@@ -266,9 +267,8 @@ class Trainer:
         """Val loss of the current model on every rank's slice (collective); keeps the best."""
         assert self.evaluator is not None
         if self.meter is not None:
-            # The host runs a step ahead: without this the clock below would start while the device
-            # still runs this step, and its time would be paused out as eval's (as save's is not:
-            # fit() pops the meter before saving).
+            # The host runs a step ahead: without this the clock below would start while the device still
+            # runs this step, and its time would be paused out as eval's (not save's: fit() pops it first).
             self.meter.drain()
         t0 = time.perf_counter()
         self.timeouts.before("eval")

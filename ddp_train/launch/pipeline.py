@@ -146,6 +146,9 @@ class SshBackend:
             return plan
         if plan.sync and not self._sync(plan):
             raise Refused(exitcodes.NODE_FAILED)
+        if cfg.skip_preflight and (why := netif.master_unchecked(plan)):
+            log.note(why)
+            raise Refused(exitcodes.PREFLIGHT)
         if not cfg.skip_preflight:
             report = run_preflight(
                 plan,

@@ -303,7 +303,7 @@ def test_after_ctrl_c_a_restart_with_another_rank_0_resumes_from_the_checkpoint_
     for d in work.values():
         d.mkdir()
     inv = make_inventory(tb, tmp_path, host_vars={h: {"ddp_workdir": str(d)} for h, d in work.items()})
-    train = ["--set", "train.max_steps=30", "--set", "train.decay_steps=30",
+    train = ["--set", "train.max_steps=30", "--set", "train.decay_steps=30", "--set", "checkpoint.replicas=0",
              "--set", "checkpoint.interval_steps=0", "--set", "log.interval_steps=1"]  # fmt: skip
     base = ["--hosts", str(inv), "--limit", "node0,node1", *train]
     run = Launcher([*base, "--job-id", "lt-mv1", "--set", "debug.step_delay_s=0.4"], tmp_path)

@@ -192,3 +192,33 @@ def test_failures_and_the_cases_where_nothing_is_derived() -> None:
     assert netif.dry_run_line(bare, bare.nodes[0]) is None
     line = netif.dry_run_line(plan, plan.nodes[0])
     assert line is not None and "ddp_network_cidr 10.1.0.0/24" in line and "NCCL_SOCKET_IFNAME==<dev>" in line
+
+
+@pytest.mark.parametrize("max_restarts", [0, 1])
+def test_without_ddp_master_addr_the_master_trains_at_its_address_in_the_cidr(max_restarts: int) -> None:
+    # SSH on 192.0.2.x, training on 10.1.0.0/24, node0 excluded: the first remaining node is the master
+    nodes = [node(f"n{i}", f"192.0.2.1{i}", network_cidr="10.1.0.0/24") for i in (1, 2)]
+    plan = build_plan(nodes, Options(job_id="j", max_restarts=max_restarts))
+    assert plan.master_derived and plan.master_addr == "192.0.2.11"  # a placeholder until preflight
+    assert netif.master_unchecked(plan) == (
+        "master n1: ansible_host 192.0.2.11 is outside ddp_network_cidr 10.1.0.0/24 and --skip-preflight "
+        "leaves the master's training address unknown; run preflight or set ddp_master_addr"
+    )
+    checks = _checks(plan, {f"n{i}": {"addr": _addr("eth1", f"10.1.0.1{i}")} for i in (1, 2)})
+    netif.check(plan, checks)
+    notes: list[str] = []
+    out = netif.apply(plan, checks, notes.append)
+    assert (
+        out.master_addr == "10.1.0.11"
+        and notes[0] == "MASTER_ADDR 10.1.0.11: n1's address in ddp_network_cidr"
+    )
+    flag, value = (
+        ("--master-addr", "10.1.0.11") if max_restarts == 0 else ("--rdzv-endpoint", "10.1.0.11:29500")
+    )
+    assert [p.argv[p.argv.index(flag) + 1] for p in out.nodes] == [value, value]
+    assert netif.master_unchecked(out) is None
+    # ddp_master_addr stays the override: nothing derived
+    explicit = build_plan(
+        [dataclasses.replace(n, master_addr="10.1.0.99") for n in nodes], Options(job_id="j")
+    )
+    assert not explicit.master_derived and netif.apply(explicit, checks).master_addr == "10.1.0.99"

@@ -144,6 +144,14 @@ BAD_FILES = {
         "model:\n  plugin_args:\n    k: " + "[" * 40 + "]" * 40 + "\n",
         "nested deeper than 16 levels",
     ),
+    "replicas_negative": (
+        "checkpoint:\n  replicas: -1\n",
+        "checkpoint.replicas: -1 is less than the minimum of 0",
+    ),
+    "replicas_word": (
+        "checkpoint:\n  replicas: two\n",
+        "checkpoint.replicas: 'two' is not of type 'integer'",
+    ),
     "very_deep": ("x: " + "[" * 3000 + "]" * 3000 + "\n", "invalid YAML: maximum recursion depth exceeded"),
 }
 

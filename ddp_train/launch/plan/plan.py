@@ -119,6 +119,8 @@ class JobPlan:
     required: tuple[str, ...] = ()  # checked on every node by preflight
     script_check: ScriptCheck | None = None  # the script check's result (the backend is checked later)
     script_check_mode: str = "warn"
+    # no ddp_master_addr: preflight replaces master_addr by the master's address in ddp_network_cidr
+    master_derived: bool = False
 
     @property
     def master(self) -> NodePlan:
@@ -177,7 +179,8 @@ def build_plan(nodes: Sequence[Node], options: Options) -> JobPlan:
     port = options.master_port or same(nodes, "ddp_master_port", lambda n: n.master_port)
     explicit = same(nodes, "ddp_master_addr", lambda n: n.master_addr)
     all_local = all(n.local for n in ordered)
-    addr = master_address(master, explicit, all_local=all_local)
+    derived = not explicit and bool(master.network_cidr) and not all_local
+    addr = master_address(master, explicit, all_local=all_local, derived=derived)
     rdzv = options.rdzv or ("c10d" if (options.max_restarts or 0) > 0 and len(ordered) > 1 else "static")
     if rdzv not in ("static", "c10d"):
         raise LaunchError(f"--rdzv {rdzv!r}: static or c10d")
@@ -193,7 +196,7 @@ def build_plan(nodes: Sequence[Node], options: Options) -> JobPlan:
                    master_name=master.name, rdzv=rdzv, script=options.script, module=options.module,
                    script_local=options.script_local, sync=options.sync,
                    required=tuple(options.required), script_check=options.script_check,
-                   script_check_mode=options.script_check_mode)  # fmt: skip
+                   script_check_mode=options.script_check_mode, master_derived=derived)  # fmt: skip
 
 
 def _c10d_order(
@@ -244,8 +247,11 @@ def resolve(address: str) -> str:
     return str(infos[0][4][0])
 
 
-def master_address(master: Node, explicit: str | None, all_local: bool) -> str:
-    """MASTER_ADDR: ddp_master_addr, else the master's inventory address resolved to an IP here."""
+def master_address(master: Node, explicit: str | None, all_local: bool, derived: bool = False) -> str:
+    """MASTER_ADDR: ddp_master_addr, else the master's inventory address resolved to an IP here.
+
+    `derived`: preflight will replace it by the master's address in ddp_network_cidr (netif.with_master),
+    so an inventory address outside the CIDR (the management network) is no error yet."""
     source = "ddp_master_addr" if explicit else "ansible_host"
     try:
         addr = resolve(explicit or master.address)
@@ -257,7 +263,7 @@ def master_address(master: Node, explicit: str | None, all_local: bool) -> str:
             "the other nodes cannot reach; set it (or ddp_master_addr) to the master's cluster IP"
         )
     cidr = master.network_cidr
-    if cidr and not all_local:
+    if cidr and not all_local and not derived:
         # The roles open MASTER_PORT to the training network only: an SSH-network address would hang.
         try:
             inside = ipaddress.ip_address(addr) in ipaddress.ip_network(cidr, strict=False)

@@ -246,6 +246,9 @@ def apply(plan: JobPlan, checks: Sequence[NodeCheck], note: Callable[[str], Any]
 
     c10d: torchrun ranks the nodes by their --local-addr as text, so the nodes are ordered again."""
     found = {c.plan.node.name: chosen(c.facts) for c in checks}
+    before, plan = plan.master_addr, with_master(plan, found)
+    if note and plan.master_addr != before:
+        note(f"MASTER_ADDR {plan.master_addr}: {plan.master_name}'s address in ddp_network_cidr")
     nodes = []
     for p in plan.nodes:
         choice = found.get(p.node.name)
@@ -261,6 +264,41 @@ def apply(plan: JobPlan, checks: Sequence[NodeCheck], note: Callable[[str], Any]
         nodes.sort(key=lambda p: p.argv[p.argv.index("--local-addr") + 1])
         nodes = [dataclasses.replace(p, rank=i) for i, p in enumerate(nodes)]
     return dataclasses.replace(plan, nodes=tuple(nodes))
+
+
+def with_master(plan: JobPlan, found: Mapping[str, Choice | None]) -> JobPlan:
+    """Without ddp_master_addr (plan.master_derived): MASTER_ADDR is the master's address in
+    ddp_network_cidr, as its preflight found it (`found`: node name -> choice), in every node's
+    --master-addr / --rdzv-endpoint; the plan unchanged otherwise."""
+    choice = found.get(plan.master_name)
+    if not plan.master_derived or choice is None or choice.address == plan.master_addr:
+        return plan
+    addr = choice.address
+    endpoint = f"[{addr}]:{plan.master_port}" if ":" in addr else f"{addr}:{plan.master_port}"
+    nodes = []
+    for p in plan.nodes:
+        argv = list(p.argv)
+        for flag, value in (("--master-addr", addr), ("--rdzv-endpoint", endpoint)):
+            if flag in argv:
+                argv[argv.index(flag) + 1] = value
+        nodes.append(dataclasses.replace(p, argv=tuple(argv)))
+    return dataclasses.replace(plan, nodes=tuple(nodes), master_addr=addr)
+
+
+def master_unchecked(plan: JobPlan) -> str | None:
+    """--skip-preflight: nothing finds the master's address in ddp_network_cidr, so an inventory address
+    outside it is refused as before (the one line), with ddp_master_addr as the way out."""
+    cidr = plan.master.node.network_cidr
+    if (
+        not plan.master_derived
+        or not cidr
+        or plan.master_addr in _Within(ipaddress.ip_network(cidr, strict=False))
+    ):
+        return None
+    return (
+        f"master {plan.master_name}: ansible_host {plan.master_addr} is outside ddp_network_cidr {cidr} and "
+        "--skip-preflight leaves the master's training address unknown; run preflight or set ddp_master_addr"
+    )
 
 
 def dry_run_line(plan: JobPlan, p: NodePlan) -> str | None:

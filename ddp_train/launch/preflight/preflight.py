@@ -46,6 +46,7 @@ def run_preflight(
         if c.facts:
             gpuhealth.check(c)
     netif.check(plan, checks)
+    plan = netif.with_master(plan, {c.plan.node.name: netif.chosen(c.facts) for c in checks})
     rdma.check_cluster(checks)
     _check_neighbour_table(checks)
     _check_files(plan, checks)

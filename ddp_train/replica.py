@@ -1,0 +1,284 @@
+"""A second copy of each checkpoint on other nodes (checkpoint.replicas), so a lost node loses no work.
+
+After rank 0's atomic save, a thread of rank 0 streams the file to the first rank (LOCAL_RANK 0) of the
+next `replicas` nodes over a plain TCP connection on the training network; the receiver writes it as
+`<name>.tmp`, fsyncs, checks the sha256 that follows the bytes, writes `<name>.replica.json` (the hash
+and where it came from) and renames, as rank 0's own save does. A restart then finds it like any other
+checkpoint (Checkpointer.restore: the newest step on any node wins), and load() checks its hash.
+
+Why a socket and a thread on rank 0, not a gloo group or a pull: gloo's new_group is a collective of
+every rank, and a transfer failing inside it (the receiver's node gone) is a process-group error that
+stops the job; a socket fails alone, into one warning. Rank 0 knows the moment the file is complete,
+streams it from disk in chunks (never the whole checkpoint in memory) and logs the result where the
+saves are logged. The listener binds port 0 on the address that routes to MASTER_ADDR, i.e. the
+training network, where the firewall role opens the ephemeral range to the cluster's addresses
+(roles/firewall: firewall_ephemeral_port_range, net.ipv4.ip_local_port_range). A random token,
+exchanged in the same all_gather, keeps a stray connection from writing into the directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from ddp_train import checkpoint
+
+CHUNK = 4 << 20
+log = logging.getLogger("ddp_train")
+
+
+def training_address(master_addr: str | None) -> str:
+    """This node's address on the network that leads to MASTER_ADDR (a UDP connect sends nothing; the
+    kernel only picks the route and its source address)."""
+    if not master_addr:
+        raise OSError("MASTER_ADDR is not set")
+    family = socket.AF_INET6 if ":" in master_addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((master_addr, 9))
+        return str(s.getsockname()[0])
+
+
+def receivers(rank: int, world_size: int, local_world_size: int, replicas: int) -> list[int]:
+    """The ranks that keep a replica: the first rank of nodes 1..replicas (torchrun numbers the ranks
+    of a node contiguously, node by node). None on one node."""
+    nodes = world_size // max(1, local_world_size)
+    return [n * local_world_size for n in range(1, min(replicas, nodes - 1) + 1)]
+
+
+def _readline(f: BinaryIO, limit: int = 4096) -> str:
+    line = f.readline(limit)
+    if not line.endswith(b"\n"):
+        raise ConnectionError("connection closed")
+    return line.decode("utf-8", "replace").strip()
+
+
+class Receiver:
+    """A listening socket and a thread that stores each replica sent to it in `directory`."""
+
+    def __init__(
+        self, directory: Path, keep_latest_k: int, master_addr: str | None, timeout_s: float
+    ) -> None:
+        self.directory, self.keep_latest_k, self.timeout_s = directory, keep_latest_k, timeout_s
+        self.token = secrets.token_hex(16)
+        host = training_address(master_addr)
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind((host, 0))
+        self.sock.listen(4)
+        self.address = f"{host}|{self.sock.getsockname()[1]}|{self.token}"
+        threading.Thread(target=self._serve, name="ddp-replica-recv", daemon=True).start()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return  # closed
+            with conn:
+                conn.settimeout(self.timeout_s)  # a sender that went silent frees the thread
+                try:
+                    self.receive(conn)
+                except Exception as exc:  # noqa: BLE001 - whatever went wrong, the thread serves on
+                    log.warning("replica not received: %s: %s", type(exc).__name__, exc)
+
+    def receive(self, conn: socket.socket) -> None:
+        """One transfer: header, "send", the bytes and their sha256, then "ok" or "bad <why>"."""
+        f = conn.makefile("rb")
+        header = json.loads(_readline(f))
+        name, size = str(header["name"]), int(header["size"])
+        if header.get("token") != self.token or checkpoint.step_of(name) is None:
+            conn.sendall(b"bad refused\n")
+            return
+        final = self.directory / name
+        try:
+            st = final.stat()
+            if (st.st_size, st.st_mtime_ns) == (size, int(header["mtime_ns"])):
+                conn.sendall(b"have\n")  # a shared checkpoint.dir: the same file, nothing to copy
+                return
+        except FileNotFoundError:
+            pass
+        conn.sendall(b"send\n")
+        digest = hashlib.sha256()
+
+        def write(out: BinaryIO) -> None:
+            left = size
+            while left:
+                chunk = f.read(min(CHUNK, left))
+                if not chunk:
+                    raise ConnectionError(f"connection closed with {left} of {size} bytes to come")
+                digest.update(chunk)
+                out.write(chunk)
+                left -= len(chunk)
+            sent = _readline(f)
+            if sent != digest.hexdigest():
+                conn.sendall(b"bad sha256 mismatch\n")
+                got, origin = digest.hexdigest()[:12], header.get("host")
+                raise ValueError(
+                    f"{name} from {origin}: sha256 {got} of the received bytes differs from the sender's "
+                    f"{sent[:12]}; discarded"
+                )
+            checkpoint.write_replica_info(final, {"sha256": sent, "from": header.get("host"), "size": size})
+
+        checkpoint.publish(final, write)
+        checkpoint.prune(self.directory, self.keep_latest_k)
+        conn.sendall(f"ok {digest.hexdigest()}\n".encode())
+
+
+class Sender:
+    """Rank 0's thread: sends the newest saved checkpoint to every receiver, one at a time; a save made
+    while a transfer runs replaces the one waiting (only the newest copy matters)."""
+
+    def __init__(self, targets: list[tuple[int, str, str]], timeout_s: float) -> None:
+        self.targets, self.timeout_s = targets, timeout_s  # (rank, host, "ip|port|token")
+        self.cond = threading.Condition()
+        self.pending: Path | None = None
+        self.busy = False
+        self.results: dict[Path, list[str]] = {}  # failures per file, for finish()
+        self.thread: threading.Thread | None = None
+
+    def send(self, path: Path) -> None:
+        with self.cond:
+            self.pending = path
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="ddp-replica-send", daemon=True)
+                self.thread.start()
+            self.cond.notify()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether everything sent so far was dealt with (copied or failed) within `timeout_s`."""
+        with self.cond:
+            return self.cond.wait_for(lambda: self.pending is None and not self.busy, timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.pending is not None)
+                path, self.pending, self.busy = self.pending, None, True
+            assert path is not None
+            failed = []
+            for rank, host, address in self.targets:
+                try:
+                    self._send_one(path, rank, host, address)
+                except Exception as exc:  # noqa: BLE001 - a failed copy is a warning, never the run's end
+                    failed.append(host)
+                    log.warning(
+                        "replica of %s to %s (rank %d) failed: %s; this checkpoint is on this node only",
+                        path.name, host, rank, exc,
+                    )  # fmt: skip
+            with self.cond:
+                self.results[path] = failed
+                self.busy = False
+                self.cond.notify_all()
+
+    def _send_one(self, path: Path, rank: int, host: str, address: str) -> None:
+        ip, port, token = address.split("|")
+        t0 = time.perf_counter()
+        with open(path, "rb") as src:  # an open file survives its pruning by the next save
+            st = os.fstat(src.fileno())
+            with socket.create_connection((ip, int(port)), timeout=self.timeout_s) as conn:
+                f = conn.makefile("rb")
+                header = {"name": path.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                          "token": token, "host": socket.gethostname()}  # fmt: skip
+                conn.sendall(json.dumps(header).encode() + b"\n")
+                answer = _readline(f)
+                if answer == "have":
+                    return
+                if answer != "send":
+                    raise ValueError(f"receiver answered {answer!r}")
+                digest = hashlib.sha256()
+                while chunk := src.read(CHUNK):
+                    digest.update(chunk)
+                    conn.sendall(chunk)
+                conn.sendall(digest.hexdigest().encode() + b"\n")
+                answer = _readline(f)
+        if answer != f"ok {digest.hexdigest()}":
+            raise ValueError(f"receiver answered {answer!r}")
+        # "saved ... .pt in N.NNs": ddp-launch sizes a stop's grace by the longest (launch/run/trainerlog.py)
+        seconds = time.perf_counter() - t0
+        log.info(
+            "saved replica %s:%s in %.2fs (sha256 %s)", host, path.name, seconds, digest.hexdigest()[:12]
+        )
+
+
+class Replicas:
+    """Both ends for one rank: offer() a receiver's address for the startup all_gather, connect() rank
+    0 to the gathered ones, send() after each save, finish() after the last one."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        rank: int,
+        local_rank: int,
+        world_size: int,
+        local_world_size: int,
+        replicas: int,
+        keep_latest_k: int,
+        master_addr: str | None,
+        timeout_s: float,
+    ) -> None:
+        self.directory, self.rank, self.keep_latest_k = directory, rank, keep_latest_k
+        self.master_addr, self.timeout_s = master_addr, timeout_s
+        self.receivers = receivers(rank, world_size, local_world_size, replicas)
+        self.receiver: Receiver | None = None
+        self.sender: Sender | None = None
+        self.last: Path | None = None
+
+    def offer(self) -> dict[str, Any]:
+        """What this rank adds to the startup report: its listening address if it keeps a replica."""
+        if self.rank not in self.receivers or self.receiver is not None:
+            return {}
+        try:
+            self.receiver = Receiver(self.directory, self.keep_latest_k, self.master_addr, self.timeout_s)
+        except OSError as exc:
+            return {"replica_error": f"cannot listen on the training network: {exc}"}
+        return {"replica_addr": self.receiver.address}
+
+    def connect(self, reports: list[dict[str, Any]]) -> None:
+        """Rank 0: the receivers' addresses from the gathered reports (a receiver that could not listen
+        is a warning: its node keeps no replica)."""
+        if self.rank != 0 or not self.receivers:
+            return
+        targets = []
+        for r in self.receivers:
+            report, host = reports[r], reports[r].get("host", f"rank {r}")
+            if "replica_addr" in report:
+                targets.append((r, host, report["replica_addr"]))
+            else:
+                log.warning("no checkpoint replica on %s (rank %d): %s", host, r, report.get("replica_error"))
+        self.sender = Sender(targets, self.timeout_s) if targets else None
+
+    def send(self, path: Path) -> None:
+        if self.sender is not None:
+            self.last = path
+            self.sender.send(path)
+
+    def finish(self) -> None:
+        """Rank 0, after the last save: wait for its replica, or say that it did not complete."""
+        if self.sender is None or self.last is None:
+            return
+        hosts = ", ".join(h for _, h, _ in self.sender.targets)
+        if not self.sender.wait(0):  # a line in the log if the process is killed while it waits
+            log.info("waiting up to %gs for the replica of %s on %s", self.timeout_s, self.last.name, hosts)
+        if not self.sender.wait(self.timeout_s):
+            log.warning("the replica of %s on %s did not complete within %gs: the last checkpoint is on this "
+                        "node only", self.last.name, hosts, self.timeout_s)  # fmt: skip
+        elif self.sender.results.get(self.last):
+            log.warning("the replica of %s did not complete: the last checkpoint is on this node only",
+                        self.last.name)  # fmt: skip
+
+    def close(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()

@@ -1,0 +1,87 @@
+"""A lost node loses no checkpoint (issue 30 item 6): three hosts like a real cluster's (SSH on a
+management network, training on another, no shared disk, no ddp_master_addr), checkpoint.replicas 1.
+node0 (rank 0) is killed whole mid-run, sshd included, after a replica reached node1; the relaunch with
+`--exclude node0` takes its MASTER_ADDR from ddp_network_cidr (node1's training address), resumes from
+node1's replica and finishes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.cluster.test_launch_testbed import FINAL, Launcher, make_inventory
+from tests.conftest import private_testbed
+from tests.testbed import Testbed, worker_net, worker_prefix
+
+pytestmark = [pytest.mark.testbed, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def tb() -> Iterator[Testbed]:
+    with private_testbed(
+        worker_prefix("rep"), worker_net("10.213.184"), 3, train_net=worker_net("10.213.185")
+    ) as bed:
+        yield bed
+
+
+@pytest.fixture
+def started() -> Iterator[list[Launcher]]:
+    runs: list[Launcher] = []
+    yield runs
+    for run in runs:
+        run.stop()
+
+
+def test_node0_killed_after_a_save_the_survivors_resume_from_its_replica(
+    tb: Testbed, tmp_path: Path, started: list[Launcher]
+) -> None:
+    hosts = tb.hosts()
+    work = {h.name: tmp_path / f"work-{h.name}" for h in hosts}
+    for d in work.values():
+        d.mkdir()
+    inv = make_inventory(tb, tmp_path, host_vars={h: {"ddp_workdir": str(d)} for h, d in work.items()})
+    spec = yaml.safe_load((inv / "hosts.yml").read_text())
+    del spec["all"]["vars"]["ddp_master_addr"]  # derived from ddp_network_cidr (the training network)
+    (inv / "hosts.yml").write_text(yaml.safe_dump(spec))
+    train = ["--set", "train.max_steps=80", "--set", "checkpoint.interval_steps=10",
+             "--set", "checkpoint.replicas=1", "--set", "log.interval_steps=5"]  # fmt: skip
+    base = ["--hosts", str(inv), *train]
+
+    run = Launcher([*base, "--job-id", "rep-1", "--set", "debug.step_delay_s=0.3"], tmp_path)
+    started.append(run)
+    run.wait_for(r"\[node0 r0\] .*INFO saved replica node1:step-00000020\.pt in \d", timeout=180)
+    for pid in tb.pids(hosts[0]):  # node0 is gone: trainer, torchrun, agent and sshd at once
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert run.wait(timeout=120) != 0, run.text
+
+    kept = work["node1"] / "runs" / "default" / "checkpoints"
+    newest = sorted(kept.glob("step-*.pt"))[-1]
+    step = int(newest.name[5:13])
+    assert step >= 20, run.text
+    info = json.loads((kept / f"{newest.name}.replica.json").read_text())
+    assert info["from"] == "node0" and len(info["sha256"]) == 64
+
+    again = Launcher([*base, "--job-id", "rep-2", "--exclude", "node0"], tmp_path)
+    started.append(again)
+    code = again.wait(timeout=240)
+    out = again.text
+    assert code == 0, out
+    assert f"MASTER_ADDR {hosts[1].train_ip}: node1's address in ddp_network_cidr" in out, out
+    first = next(ln for ln in again.lines if re.match(r"^\[node1 r0\] .* INFO ", ln))
+    resumed = rf"INFO resumed from {re.escape(str(newest))} at step {step} of job rep-1, saved .* ago, "
+    assert re.search(resumed + "a replica sent by node0$", first), out
+    finals = [m.groups() for m in map(FINAL.match, again.lines) if m]
+    assert sorted(f[:5] for f in finals) == [
+        ("node1", "0", "0", "2", "80"),
+        ("node2", "1", "1", "2", "80"),
+    ], out
+    assert len({f[5] for f in finals}) == 1, out

@@ -1,0 +1,168 @@
+"""Checkpoint replicas (replica.py): the transfer, its sha256 check, the copy's use on resume."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from ddp_train import checkpoint, replica
+from ddp_train.checkpoint import CorruptCheckpoint
+from tests.unit.test_train_checkpoint import state
+
+
+@pytest.fixture
+def receiver(tmp_path: Path):
+    r = replica.Receiver(tmp_path / "node1", keep_latest_k=2, master_addr="127.0.0.1", timeout_s=10)
+    yield r
+    r.close()
+
+
+def send(path: Path, *receivers: replica.Receiver) -> replica.Sender:
+    sender = replica.Sender([(1, f"node{i + 1}", r.address) for i, r in enumerate(receivers)], timeout_s=10)
+    sender.send(path)
+    assert sender.wait(20)
+    return sender
+
+
+@pytest.mark.parametrize(
+    ("world", "local", "replicas", "expected"),
+    [(8, 4, 1, [4]), (4, 4, 1, []), (6, 2, 2, [2, 4]), (6, 2, 5, [2, 4]), (8, 4, 0, []), (1, 1, 1, [])],
+)
+def test_the_first_rank_of_the_next_nodes_keeps_the_replicas(world, local, replicas, expected):
+    assert replica.receivers(0, world, local, replicas) == expected
+
+
+def test_a_saved_checkpoint_arrives_byte_identical_with_its_sha256_and_origin(tmp_path, receiver, caplog):
+    caplog.set_level(logging.INFO, "ddp_train")
+    src = checkpoint.save(state(10), tmp_path / "node0", 10)
+    assert send(src, receiver).results[src] == []
+    copy = tmp_path / "node1" / src.name
+    sha = hashlib.sha256(src.read_bytes()).hexdigest()
+    assert copy.read_bytes() == src.read_bytes()
+    info = json.loads(checkpoint.replica_info(copy).read_text())
+    assert info["sha256"] == sha and info["from"] == socket.gethostname()
+    assert sorted(p.name for p in copy.parent.iterdir()) == [src.name, src.name + ".replica.json"]
+    loaded = checkpoint.load(copy)
+    assert loaded["step"] == 10 and loaded["replica_from"] == socket.gethostname()
+    assert re.search(rf"saved replica node1:{src.name} in \d+\.\d\ds \(sha256 {sha[:12]}\)", caplog.text)
+    line = checkpoint.resumed_line(copy, loaded, "node1", 0)
+    assert line.endswith(f"at step 10, a replica sent by {socket.gethostname()}")
+
+
+def test_the_receiver_keeps_latest_k_and_prunes_their_sha256_files(tmp_path, receiver):
+    for step in (10, 20, 30):
+        send(checkpoint.save(state(step), tmp_path / "node0", step), receiver)
+    names = sorted(p.name for p in (tmp_path / "node1").iterdir())
+    assert names == [f"step-000000{s}.pt{x}" for s in (20, 30) for x in ("", ".replica.json")]
+
+
+def test_bytes_that_do_not_match_their_sha256_are_discarded_with_one_warning(tmp_path, receiver, caplog):
+    src = checkpoint.save(state(10), tmp_path / "node0", 10)
+    ip, port, token = receiver.address.split("|")
+    data = src.read_bytes()
+    with socket.create_connection((ip, int(port)), timeout=10) as conn:
+        f = conn.makefile("rb")
+        header = {"name": src.name, "size": len(data), "mtime_ns": 0, "token": token, "host": "node0"}
+        conn.sendall(json.dumps(header).encode() + b"\n")
+        assert f.readline() == b"send\n"
+        flipped = data[:100] + bytes([data[100] ^ 1]) + data[101:]  # one bit changed on the way
+        conn.sendall(flipped + hashlib.sha256(data).hexdigest().encode() + b"\n")
+        assert f.readline() == b"bad sha256 mismatch\n"
+    for _ in range(100):  # the receiver logs after answering
+        if caplog.records:
+            break
+        time.sleep(0.05)
+    assert not list((tmp_path / "node1").glob("step-*")), "nothing published, no temp left"
+    [record] = caplog.records
+    assert record.levelname == "WARNING" and "\n" not in record.getMessage()
+    assert "sha256" in record.getMessage() and "discarded" in record.getMessage()
+
+
+def test_a_stray_connection_without_the_token_writes_nothing(tmp_path, receiver):
+    ip, port, _ = receiver.address.split("|")
+    with socket.create_connection((ip, int(port)), timeout=10) as conn:
+        header = {"name": "step-00000010.pt", "size": 3, "mtime_ns": 0, "token": "guess", "host": "x"}
+        conn.sendall(json.dumps(header).encode() + b"\n")
+        assert conn.makefile("rb").readline() == b"bad refused\n"
+    assert not (tmp_path / "node1").exists()
+
+
+def test_a_corrupt_replica_is_ignored_with_one_warning_and_the_previous_one_resumes(
+    tmp_path, receiver, caplog
+):
+    for step in (10, 20):
+        send(checkpoint.save(state(step), tmp_path / "node0", step), receiver)
+    node1 = tmp_path / "node1"
+    info = checkpoint.replica_info(node1 / "step-00000020.pt")
+    info.write_text(json.dumps({**json.loads(info.read_text()), "sha256": "0" * 64}))  # bytes changed since
+    with pytest.raises(CorruptCheckpoint, match="replica sha256 .* differs from 000000000000 sent by"):
+        checkpoint.load(node1 / "step-00000020.pt")
+    loaded, path = checkpoint.load_latest(node1)
+    assert path.name == "step-00000010.pt" and loaded["step"] == 10
+    [record] = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "\n" not in record.getMessage() and "falling back to step-00000010.pt" in record.getMessage()
+    assert (node1 / "step-00000020.pt.corrupt").exists() and not info.exists()
+
+
+def test_a_shared_directory_is_not_copied_onto_itself(tmp_path):
+    r = replica.Receiver(tmp_path / "shared", keep_latest_k=2, master_addr="127.0.0.1", timeout_s=10)
+    try:
+        src = checkpoint.save(state(10), tmp_path / "shared", 10)
+        before = src.stat().st_ino
+        assert send(src, r).results[src] == []
+        assert src.stat().st_ino == before and not checkpoint.replica_info(src).exists()
+    finally:
+        r.close()
+
+
+def test_an_own_save_over_a_replica_drops_its_sha256_file(tmp_path, receiver):
+    send(checkpoint.save(state(10), tmp_path / "node0", 10), receiver)
+    copy = checkpoint.save(state(10), tmp_path / "node1", 10)  # node1, rank 0 now, saves step 10 again
+    assert not checkpoint.replica_info(copy).exists()
+    assert "replica_from" not in checkpoint.load(copy)
+
+
+def test_an_unreachable_receiver_is_one_warning_and_finish_says_the_copy_did_not_complete(tmp_path, caplog):
+    caplog.set_level(logging.INFO, "ddp_train")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    reps = replica.Replicas(tmp_path / "node0", rank=0, local_rank=0, world_size=4, local_world_size=2,
+                            replicas=1, keep_latest_k=2, master_addr="127.0.0.1", timeout_s=5)  # fmt: skip
+    reps.connect([{"host": "node0"}, {}, {"host": "node1", "replica_addr": f"127.0.0.1|{port}|t"}, {}])
+    reps.send(checkpoint.save(state(10), tmp_path / "node0", 10))
+    reps.finish()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 2 and all("\n" not in w for w in warnings), warnings
+    assert warnings[0].startswith("replica of step-00000010.pt to node1 (rank 2) failed: ")
+    assert warnings[1] == (
+        "the replica of step-00000010.pt did not complete: the last checkpoint is on this node only"
+    )
+
+
+def test_a_receiver_that_cannot_listen_leaves_its_node_without_a_replica(tmp_path, caplog):
+    reps = replica.Replicas(tmp_path, rank=0, local_rank=0, world_size=2, local_world_size=1, replicas=1,
+                            keep_latest_k=2, master_addr=None, timeout_s=5)  # fmt: skip
+    reps.connect([{"host": "node0"}, {"host": "node1", "replica_error": "cannot listen: x"}])
+    assert reps.sender is None
+    assert caplog.records[0].getMessage() == "no checkpoint replica on node1 (rank 1): cannot listen: x"
+
+
+@pytest.mark.parametrize(
+    ("reports", "expected"),
+    [
+        ([{"step": 10}, {"step": 20, "copy": True}], 1),  # the newest, even a replica
+        ([{"step": 20, "copy": True}, {"step": 20}], 1),  # a tie: the node's own save
+        ([{"step": 20}, {"step": 20}], 0),  # a tie of equals: the lowest rank
+        ([{"step": None}, {}], None),
+    ],
+)
+def test_resume_source_is_the_newest_step_then_an_own_save_then_the_lowest_rank(reports, expected):
+    assert checkpoint.source_rank(reports) == expected
