@@ -7,7 +7,7 @@ MLP, 3 steps, 1 process per host) and times each from the command's start until 
 Ends with `C10 slurm/ssh first_step_s ratio=R ...`. The Slurm time adds sbatch, slurmctld's scheduling
 (its main loop runs on submit), the batch script's start, srun's step launch on every node and the
 launcher's polling (1 s) of the driver's log; the SSH backend's adds its node preflight, which the Slurm
-backend leaves out (README "Slurm (the launcher's backend)").
+backend leaves out (docs/slurm.md, "Slurm (the launcher's backend)").
 """
 
 from __future__ import annotations

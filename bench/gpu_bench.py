@@ -426,7 +426,7 @@ def cmd_logits_memory(a: argparse.Namespace) -> None:
     """G6: issue 14 item 5, issue 31 item 5. Peak memory of one forward+backward with an explicit
     logits.float() against the loss as autocast computes it (CUDA memory stats; on CPU nan). Under
     bf16 autocast makes the same fp32 copy itself (models._fp32_logits), so expect ~1.0; the absolute
-    peak at this batch size sizes the per-rank micro-batch (README, the trainer)."""
+    peak at this batch size sizes the per-rank micro-batch (docs/trainer.md)."""
     dev = device()
     cfg = bench_config(a.smoke)
     torch.manual_seed(cfg.seed)

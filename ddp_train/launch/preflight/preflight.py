@@ -371,7 +371,7 @@ def _answers_outsider(plan: JobPlan, addresses: dict[str, str], token: str, time
     return (
         f"MASTER_PORT {plan.master_port} at {plan.master_addr} answers this controller ({source}), which is "
         "no node of the job: the rendezvous has no authentication, so any host that reaches it can abort "
-        "or disturb the job; let only the nodes reach it (firewall_trusted_sources, see README Security)"
+        "or disturb the job; let only the nodes reach it (firewall_trusted_sources, see docs/security.md)"
     )
 
 
