@@ -6,23 +6,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import tests.conftest as root_conftest
 from tests import testbed as testbed_mod
-from tests.ansible.conftest import REPO_ROOT, run, tool_env
+from tests.ansible.conftest import ANSI, REPO_ROOT, molecule_step, molecule_test, recaps, run, tool_env
 
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
 SIM = "/var/lib/ddp-sim"
 # The el9-sim scenario's variables (its inventory source holds group_vars only).
 SCENARIO_VARS = ["-i", "molecule/el9-sim/inventory/"]
-
-
-def recaps(out: str) -> dict[str, int]:
-    return {h: int(c) for h, c in re.findall(r"(node\d)\s+: ok=\d+\s+changed=(\d+)", out)}
 
 
 def sh(tb, host: int, cmd: str, check: bool = True) -> str:
@@ -41,34 +34,21 @@ def gpu_converged(prefix: str, net: str, venv_bin: Path, facts: Path, **up) -> I
         yield tb
 
 
-def step(out: str, scenario: str, name: str) -> str:
-    """The part of molecule's output for one step of the scenario's sequence."""
-    m = re.search(rf"\[{scenario} > {name}\] Executing(.*?)\[{scenario} > {name}\] Executed", out, re.S)
-    assert m, f"molecule did not run {name}"
-    return m.group(1)
-
-
 @contextlib.contextmanager
 def molecule_converged(scenario: str, prefix: str, net: str, os_name: str, venv_bin: Path) -> Iterator:
     """The scenario's hosts node0 and node1 after `molecule test -s <scenario> --destroy never`: converged
     (changed > 0 on both), idempotent (changed=0) and verified; yields (Testbed, molecule's output) and
     destroys them at the end."""
     root_conftest.require_testbed()
-    env = tool_env(venv_bin)
-    start = time.monotonic()
-    argv = [str(venv_bin / "molecule"), "test", "-s", scenario, "--destroy", "never"]
-    res = run(argv, env, 1500, merge=True)
-    out = ANSI.sub("", res.stdout)
-    print(f"molecule test -s {scenario}: rc={res.returncode} in {(time.monotonic() - start) / 60:.1f} min")
     try:
-        assert res.returncode == 0, out[-6000:]
-        converge = recaps(step(out, scenario, "converge"))
-        idempotence = recaps(step(out, scenario, "idempotence"))
+        out = molecule_test(scenario, venv_bin, "--destroy", "never")
+        converge = recaps(molecule_step(out, scenario, "converge"))
+        idempotence = recaps(molecule_step(out, scenario, "idempotence"))
         assert sorted(converge) == ["node0", "node1"] and all(c > 0 for c in converge.values()), converge
         assert idempotence == {"node0": 0, "node1": 0}, idempotence
         assert f"[{scenario} > verify] Executed: Successful" in out
         yield testbed_mod.Testbed(prefix=prefix, net=net, os=os_name), out
     finally:
-        run([str(venv_bin / "molecule"), "destroy", "-s", scenario], env, 300)
+        run([str(venv_bin / "molecule"), "destroy", "-s", scenario], tool_env(venv_bin), 300)
         netns = os.popen("ip netns list").read()
         assert f"{prefix}-node" not in netns, "molecule destroy left namespaces behind"

@@ -15,7 +15,8 @@ import re
 
 import pytest
 
-from tests.ansible.el_sim import molecule_converged, recaps, sh, step
+from tests.ansible.conftest import molecule_step
+from tests.ansible.el_sim import molecule_converged, recaps, sh
 
 # The module's converge counts towards its first test's 600 s.
 pytestmark = [pytest.mark.testbed, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -28,7 +29,7 @@ def el10(venv_bin):
     """The converged el10-sim hosts (molecule test without its final destroy), destroyed at the end."""
     with molecule_converged("el10-sim", "el10s", "10.213.66", "rocky10", venv_bin) as (tb, out):
         # The EL10 path ran, not EL9's module streams.
-        assert "TASK [nvidia_driver : Lock the driver branch]" in step(out, "el10-sim", "converge")
+        assert "TASK [nvidia_driver : Lock the driver branch]" in molecule_step(out, "el10-sim", "converge")
         assert "Read the enabled nvidia-driver stream" not in out
         yield tb
 
