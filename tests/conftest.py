@@ -67,6 +67,7 @@ def private_testbed(prefix: str, net: str, hosts: int, **up: Any) -> Iterator[Te
 LONGEST_FIRST = (
     "tests/ansible/test_el9_sim.py",
     "tests/ansible/test_el9_sim_driver.py",
+    "tests/ansible/test_el9_sim_branch.py",
     "tests/ansible/test_molecule.py",
     "tests/ansible/test_el9_sim_check.py",
     "tests/ansible/test_el10_sim.py",
