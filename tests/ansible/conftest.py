@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def tool_env(venv_bin: Path, fact_cache: Path | None = None, **extra: str) -> dict[str, str]:
@@ -57,3 +60,28 @@ def write_inventory(source: Path, dest_dir: Path, edit) -> Path:
     dest = dest_dir / "hosts.yml"
     dest.write_text(yaml.safe_dump(inv, sort_keys=False))
     return dest
+
+
+def molecule_test(scenario: str, venv_bin: Path, *args: str) -> str:
+    """`molecule test -s <scenario> <args>` from the repo root; returns its output without colours, after
+    asserting it passed."""
+    start = time.monotonic()
+    res = run(
+        [str(venv_bin / "molecule"), "test", "-s", scenario, *args], tool_env(venv_bin), 1700, merge=True
+    )
+    out = ANSI.sub("", res.stdout)
+    print(f"molecule test -s {scenario}: rc={res.returncode} in {(time.monotonic() - start) / 60:.1f} min")
+    assert res.returncode == 0, out[-6000:]
+    return out
+
+
+def molecule_step(out: str, scenario: str, step: str) -> str:
+    """The part of molecule's output for one step of the scenario's sequence."""
+    m = re.search(rf"\[{scenario} > {step}\] Executing(.*?)\[{scenario} > {step}\] Executed", out, re.S)
+    assert m, f"molecule did not run {step}"
+    return m.group(1)
+
+
+def recaps(out: str) -> dict[str, int]:
+    """changed= of each nodeN in an ansible-playbook run's recap."""
+    return {h: int(c) for h, c in re.findall(r"(node\d)\s+: ok=\d+\s+changed=(\d+)", out)}

@@ -1,24 +1,21 @@
-"""Shared by the test_el9_sim*.py modules: each has EL9 simulation hosts of its own (prefix and net),
-so README's `pytest -n 4 --dist loadfile` runs them on different workers at the same time."""
+"""Shared by the test_el9_sim*.py and test_el10_sim.py modules: each has EL simulation hosts of its own
+(prefix and net), so README's `pytest -n 4 --dist loadfile` runs them on different workers at the same
+time."""
 
 from __future__ import annotations
 
 import contextlib
-import re
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import tests.conftest as root_conftest
-from tests.ansible.conftest import REPO_ROOT, run, tool_env
+from tests import testbed as testbed_mod
+from tests.ansible.conftest import ANSI, REPO_ROOT, molecule_step, molecule_test, recaps, run, tool_env
 
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
 SIM = "/var/lib/ddp-sim"
 # The el9-sim scenario's variables (its inventory source holds group_vars only).
 SCENARIO_VARS = ["-i", "molecule/el9-sim/inventory/"]
-
-
-def recaps(out: str) -> dict[str, int]:
-    return {h: int(c) for h, c in re.findall(r"(node\d)\s+: ok=\d+\s+changed=(\d+)", out)}
 
 
 def sh(tb, host: int, cmd: str, check: bool = True) -> str:
@@ -35,3 +32,23 @@ def gpu_converged(prefix: str, net: str, venv_bin: Path, facts: Path, **up) -> I
         res = run([*argv, "playbooks/gpu.yml"], env, 900, merge=True)
         assert res.returncode == 0 and recaps(res.stdout)["node0"] > 0, ANSI.sub("", res.stdout)[-4000:]
         yield tb
+
+
+@contextlib.contextmanager
+def molecule_converged(scenario: str, prefix: str, net: str, os_name: str, venv_bin: Path) -> Iterator:
+    """The scenario's hosts node0 and node1 after `molecule test -s <scenario> --destroy never`: converged
+    (changed > 0 on both), idempotent (changed=0) and verified; yields (Testbed, molecule's output) and
+    destroys them at the end."""
+    root_conftest.require_testbed()
+    try:
+        out = molecule_test(scenario, venv_bin, "--destroy", "never")
+        converge = recaps(molecule_step(out, scenario, "converge"))
+        idempotence = recaps(molecule_step(out, scenario, "idempotence"))
+        assert sorted(converge) == ["node0", "node1"] and all(c > 0 for c in converge.values()), converge
+        assert idempotence == {"node0": 0, "node1": 0}, idempotence
+        assert f"[{scenario} > verify] Executed: Successful" in out
+        yield testbed_mod.Testbed(prefix=prefix, net=net, os=os_name), out
+    finally:
+        run([str(venv_bin / "molecule"), "destroy", "-s", scenario], tool_env(venv_bin), 300)
+        netns = os.popen("ip netns list").read()
+        assert f"{prefix}-node" not in netns, "molecule destroy left namespaces behind"

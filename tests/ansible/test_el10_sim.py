@@ -11,16 +11,12 @@ distro-sync of sync-RedHat.yml) then runs on node1. Prefix el10s, net 10.213.66.
 from __future__ import annotations
 
 import json
-import os
 import re
-import time
 
 import pytest
 
-import tests.conftest as root_conftest
-from tests import testbed as testbed_mod
-from tests.ansible.conftest import run, tool_env
-from tests.ansible.el_sim import ANSI, recaps, sh
+from tests.ansible.conftest import molecule_step
+from tests.ansible.el_sim import molecule_converged, recaps, sh
 
 # The module's converge counts towards its first test's 600 s.
 pytestmark = [pytest.mark.testbed, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -28,37 +24,14 @@ pytestmark = [pytest.mark.testbed, pytest.mark.slow, pytest.mark.timeout(1800)]
 INVENTORY = ["-i", "inventory/testbed-el10s/hosts.yml", "-i", "molecule/el10-sim/inventory/"]
 
 
-def _step(out: str, step: str) -> str:
-    m = re.search(rf"\[el10-sim > {step}\] Executing(.*?)\[el10-sim > {step}\] Executed", out, re.S)
-    assert m, f"molecule did not run {step}"
-    return m.group(1)
-
-
 @pytest.fixture(scope="module")
 def el10(venv_bin):
     """The converged el10-sim hosts (molecule test without its final destroy), destroyed at the end."""
-    root_conftest.require_testbed()
-    env = tool_env(venv_bin)
-    start = time.monotonic()
-    res = run(
-        [str(venv_bin / "molecule"), "test", "-s", "el10-sim", "--destroy", "never"], env, 1500, merge=True
-    )
-    out = ANSI.sub("", res.stdout)
-    print(f"molecule test -s el10-sim: rc={res.returncode} in {(time.monotonic() - start) / 60:.1f} min")
-    try:
-        assert res.returncode == 0, out[-6000:]
-        converge, idempotence = recaps(_step(out, "converge")), recaps(_step(out, "idempotence"))
-        assert sorted(converge) == ["node0", "node1"] and all(c > 0 for c in converge.values()), converge
-        assert idempotence == {"node0": 0, "node1": 0}, idempotence
-        assert "[el10-sim > verify] Executed: Successful" in out
+    with molecule_converged("el10-sim", "el10s", "10.213.66", "rocky10", venv_bin) as (tb, out):
         # The EL10 path ran, not EL9's module streams.
-        assert "TASK [nvidia_driver : Lock the driver branch]" in _step(out, "converge")
+        assert "TASK [nvidia_driver : Lock the driver branch]" in molecule_step(out, "el10-sim", "converge")
         assert "Read the enabled nvidia-driver stream" not in out
-        yield testbed_mod.Testbed(prefix="el10s", net="10.213.66", os="rocky10")
-    finally:
-        run([str(venv_bin / "molecule"), "destroy", "-s", "el10-sim"], env, 300)
-        netns = os.popen("ip netns list").read()
-        assert "el10s-node" not in netns, "molecule destroy left namespaces behind"
+        yield tb
 
 
 def test_changing_the_driver_branch_on_el10_relocks_and_syncs(el10, playbook):

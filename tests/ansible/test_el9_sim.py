@@ -6,20 +6,17 @@ against local repositories, simulated GPUs and reboot).
 tests below then use the converged hosts: verify.yml refusing the gloo fallback and a port range a later
 sysctl file undid. Prefix el9s (the scenario's). The post-reboot health checks and a kernel that lost its
 module (test_el9_sim_driver.py), a driver branch change (test_el9_sim_branch.py) and `--check` on a fresh
-host (test_el9_sim_check.py) run on hosts of their own, on other pytest-xdist workers."""
+host (test_el9_sim_check.py) run on hosts of their own, on other pytest-xdist workers: this module, the
+longest, must not grow (a branch change on its node1 would save a 1-host converge of ~2 min but add ~9 min
+to it under the loaded -n 4 run)."""
 
 from __future__ import annotations
 
-import os
 import re
-import time
 
 import pytest
 
-import tests.conftest as root_conftest
-from tests import testbed as testbed_mod
-from tests.ansible.conftest import run, tool_env
-from tests.ansible.el_sim import ANSI, recaps, sh
+from tests.ansible.el_sim import molecule_converged, sh
 
 # The module's converge counts towards its first test's 600 s; under `pytest -n 4` it took longer.
 pytestmark = [pytest.mark.testbed, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -27,34 +24,11 @@ pytestmark = [pytest.mark.testbed, pytest.mark.slow, pytest.mark.timeout(1800)]
 INVENTORY = ["-i", "inventory/testbed-el9s/hosts.yml", "-i", "molecule/el9-sim/inventory/"]
 
 
-def _step(out: str, step: str) -> str:
-    m = re.search(rf"\[el9-sim > {step}\] Executing(.*?)\[el9-sim > {step}\] Executed", out, re.S)
-    assert m, f"molecule did not run {step}"
-    return m.group(1)
-
-
 @pytest.fixture(scope="module")
 def el9(venv_bin):
     """The converged el9-sim hosts (molecule test without its final destroy), destroyed at the end."""
-    root_conftest.require_testbed()
-    env = tool_env(venv_bin)
-    start = time.monotonic()
-    res = run(
-        [str(venv_bin / "molecule"), "test", "-s", "el9-sim", "--destroy", "never"], env, 1500, merge=True
-    )
-    out = ANSI.sub("", res.stdout)
-    print(f"molecule test -s el9-sim: rc={res.returncode} in {(time.monotonic() - start) / 60:.1f} min")
-    try:
-        assert res.returncode == 0, out[-6000:]
-        converge, idempotence = recaps(_step(out, "converge")), recaps(_step(out, "idempotence"))
-        assert sorted(converge) == ["node0", "node1"] and all(c > 0 for c in converge.values()), converge
-        assert idempotence == {"node0": 0, "node1": 0}, idempotence
-        assert "[el9-sim > verify] Executed: Successful" in out
-        yield testbed_mod.Testbed(prefix="el9s", net="10.213.54", os="rocky9")
-    finally:
-        run([str(venv_bin / "molecule"), "destroy", "-s", "el9-sim"], env, 300)
-        netns = os.popen("ip netns list").read()
-        assert "el9s-node" not in netns, "molecule destroy left namespaces behind"
+    with molecule_converged("el9-sim", "el9s", "10.213.54", "rocky9", venv_bin) as (tb, _):
+        yield tb
 
 
 def test_verify_refuses_gloo_on_gpu_nodes(el9, playbook):

@@ -10,25 +10,17 @@ import os
 import re
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 import tests.conftest as root_conftest
-from tests.ansible.conftest import REPO_ROOT, run, tool_env
+from tests.ansible.conftest import ANSI, REPO_ROOT, molecule_step, molecule_test, run, tool_env
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
 RECAP = re.compile(r"(node\d)\s+: ok=\d+\s+changed=(\d+)\s+unreachable=0\s+failed=0")
-
-
-def _step(out: str, step: str) -> str:
-    m = re.search(rf"\[slurm > {step}\] Executing(.*?)\[slurm > {step}\] Executed", out, re.S)
-    assert m, f"molecule did not run {step}"
-    return m.group(1)
 
 
 @pytest.mark.timeout(1800)
@@ -41,25 +33,19 @@ def test_molecule_slurm_scenario(venv_bin):
     ]
     if missing:
         pytest.skip(f"Slurm is not installed here ({', '.join(missing)}): bash .ci/setup --with-testbed")
-    start = time.monotonic()
-    res = run([str(venv_bin / "molecule"), "test", "-s", "slurm"], tool_env(venv_bin), 1700, merge=True)
-    minutes = (time.monotonic() - start) / 60
-    out = ANSI.sub("", res.stdout)
-    print(f"molecule test -s slurm: rc={res.returncode} in {minutes:.1f} min")
-
-    assert res.returncode == 0, out[-6000:]
-    check = _step(out, "check")
+    out = molecule_test("slurm", venv_bin)
+    check = molecule_step(out, "slurm", "check")
     assert sorted(n for n, _ in RECAP.findall(check)) == ["node0", "node1", "node2"], check[-3000:]
     assert "check mode: node0 has no munge key yet" in check, check[-3000:]
-    converge = RECAP.findall(_step(out, "converge"))
+    converge = RECAP.findall(molecule_step(out, "slurm", "converge"))
     assert sorted(n for n, _ in converge) == ["node0", "node1", "node2"]
     assert all(int(c) > 0 for _, c in converge)
-    assert sorted(RECAP.findall(_step(out, "idempotence"))) == [
+    assert sorted(RECAP.findall(molecule_step(out, "slurm", "idempotence"))) == [
         ("node0", "0"),
         ("node1", "0"),
         ("node2", "0"),
     ]
-    verify = _step(out, "verify")
+    verify = molecule_step(out, "slurm", "verify")
     for task in (
         "Check every node's state and GPU count",
         "Check that every node ran it",
