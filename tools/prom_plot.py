@@ -16,10 +16,17 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-# (PromQL, y label, the label naming each line); mean over a node's GPUs, the trainer's loss per node.
+# Panels: (y label, [(PromQL, what the line is)]); {run} is the --run selector. Mean and min over each
+# node's GPUs (the least busy GPU is what `ddp-launch status` flags), the trainer's loss per node.
 PANELS = (
-    ("avg by (node) (ddp_gpu_utilization_percent)", "GPU utilization (%)", "node"),
-    ("ddp_train_loss", "training loss", "node"),
+    (
+        "GPU utilization (%)",
+        [
+            ("avg by (node) (ddp_gpu_utilization_percent)", "mean"),
+            ("min by (node) (ddp_gpu_utilization_percent)", "min"),
+        ],
+    ),
+    ("training loss", [("ddp_train_loss{run}", "")]),
 )
 
 
@@ -44,20 +51,26 @@ def query_range(url: str, query: str, start: float, end: float, step: float) -> 
     return list(body["data"]["result"])
 
 
-def render(panels: list[tuple[str, str, list[dict[str, Any]]]], start: float, out: Path) -> None:
+def line_name(metric: dict[str, str], what: str) -> str:
+    """node0 mean, node1 min, node0 run=r1: the node, what the line is, and the trainer's run."""
+    run = f"run={metric['run']}" if "run" in metric else ""
+    return " ".join(x for x in (metric.get("node", "?"), what, run) if x)
+
+
+def render(panels: list[tuple[str, list[tuple[str, dict[str, Any]]]]], start: float, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.4 * len(panels)), sharex=True, dpi=90)
-    for ax, (ylabel, label, series) in zip(axes, panels):
-        for s in sorted(series, key=lambda s: s["metric"].get(label, "")):
+    for ax, (ylabel, series) in zip(axes, panels):
+        for what, s in sorted(series, key=lambda ws: (ws[1]["metric"].get("node", ""), ws[0])):
             xs = [float(t) - start for t, _ in s["values"]]
-            ax.plot(xs, [float(v) for _, v in s["values"]], label=s["metric"].get(label, "?"))
+            style = "--" if what == "min" else "-"
+            ax.plot(xs, [float(v) for _, v in s["values"]], style, label=line_name(s["metric"], what))
         ax.set_ylabel(ylabel)
-        if series:
-            ax.legend(loc="upper right", fontsize="small")
+        ax.legend(loc="best", fontsize="small")
     axes[-1].set_xlabel("seconds")
     fig.tight_layout()
     fig.savefig(out)
@@ -69,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", required=True, help="Prometheus, e.g. http://10.0.0.1:9090")
     ap.add_argument("--minutes", type=float, default=10.0, help="how far back (default 10)")
     ap.add_argument("--step", type=float, default=2.0, help="seconds between points (default 2)")
+    ap.add_argument("--run", help="only this training run's loss (log.prometheus' label run, the run name)")
     ap.add_argument("--out", type=Path, default=Path("monitoring.png"))
     args = ap.parse_args(argv)
     try:
@@ -78,18 +92,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     end = time.time()
     start = end - args.minutes * 60
+    run = "{run=" + json.dumps(args.run) + "}" if args.run else ""  # a JSON string is a PromQL string
     panels = []
     try:
-        for query, ylabel, label in PANELS:
-            panels.append((ylabel, label, query_range(args.url, query, start, end, args.step)))
+        for ylabel, queries in PANELS:
+            series = []
+            for query, what in queries:
+                found = query_range(args.url, query.replace("{run}", run), start, end, args.step)
+                series += [(what, s) for s in found]
+            panels.append((ylabel, series))
     except (OSError, ValueError, KeyError) as exc:  # URLError (no server) is an OSError
         print(f"prom_plot: {args.url}: {exc}", file=sys.stderr)
         return 1
-    empty = [ylabel for ylabel, _, series in panels if not series]
+    empty = [ylabel for ylabel, series in panels if not series]
     if empty:
         print(f"prom_plot: no {' or '.join(empty)} series in the last {args.minutes:g} min", file=sys.stderr)
         return 1
-    first = min(float(s["values"][0][0]) for _, _, series in panels for s in series)
+    first = min(float(s["values"][0][0]) for _, series in panels for _, s in series)
     render(panels, first, args.out)
     print(f"prom_plot: {args.out}")
     return 0

@@ -3,6 +3,7 @@ the PNG is written from both queries; an empty panel, an error answer or no serv
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -55,6 +56,20 @@ def prom() -> Iterator[str]:
     server.server_close()
 
 
+def test_line_names():
+    plot = _load()
+    assert plot.line_name({"node": "node0"}, "mean") == "node0 mean"
+    assert plot.line_name({"node": "node1", "run": "r1"}, "") == "node1 run=r1"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("prom_plot", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
 
@@ -64,16 +79,20 @@ def _ok(result: list[dict]) -> dict:
 
 
 def test_renders_the_gpu_utilization_and_loss_series(prom, tmp_path):
+    """Mean and min utilization per node and the loss of the one run --run names, in that order."""
     pytest.importorskip("matplotlib")
     t0 = 1_764_870_000.0
     _Prometheus.answers = {
         "avg by (node) (ddp_gpu_utilization_percent)": _ok(
             [_series("", "node0", t0, [75, 80, 78]), _series("", "node1", t0, [75, 74, 76])]
         ),
-        "ddp_train_loss": _ok([_series("ddp_train_loss", "node0", t0 + 2, [2.1, 1.9])]),
+        "min by (node) (ddp_gpu_utilization_percent)": _ok(
+            [_series("", "node0", t0, [0, 0, 0]), _series("", "node1", t0, [70, 71, 72])]
+        ),
+        'ddp_train_loss{run="r1"}': _ok([_series("ddp_train_loss", "node0", t0 + 2, [2.1, 1.9])]),
     }
     out = tmp_path / "m.png"
-    res = _run("--url", prom, "--minutes", "5", "--step", "3", "--out", str(out))
+    res = _run("--url", prom, "--minutes", "5", "--step", "3", "--run", "r1", "--out", str(out))
     assert res.returncode == 0, res.stderr
     assert out.read_bytes().startswith(PNG_MAGIC)
     assert [q["query"][0] for q in _Prometheus.queries] == list(_Prometheus.answers)
