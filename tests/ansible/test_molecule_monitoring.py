@@ -1,9 +1,11 @@
 """`molecule test -s monitoring` on the namespace testbed: the monitoring role with Debian 12's real
-Prometheus and node exporter on three hosts with a training network (node0 also the monitoring host;
-node0 and node1 with the fake nvidia-smi, GPU 2 idle): --check, converge, idempotence (changed=0),
-verify (Prometheus' HTTP API reports every node's exporter up at its training address, the GPU nodes'
-series exist with the idle GPU at 0, the exporter answers neither on the SSH address nor to another
-node), destroy. Uses the testbed prefix mon and nets 10.213.189 (SSH) and 10.213.190 (training)."""
+Prometheus and node exporter on three hosts with a training network (node0 also the monitoring host; node0
+and node1 with the fake nvidia-smi, GPU 2 idle): --check, converge, idempotence (changed=0), verify
+(Prometheus, listening on node0's training address only, reports every node's exporter up at its training
+address, the GPU nodes' series exist with the idle GPU at 0, the exporter answers neither on the SSH
+address nor to another node; the trainer run for 4 steps on node0 with log.prometheus, and Prometheus'
+ddp_train_step and ddp_train_loss for node0 equal its last logged record), destroy. Uses the testbed
+prefix mon and nets 10.213.189 (SSH) and 10.213.190 (training)."""
 
 from __future__ import annotations
 
@@ -57,10 +59,13 @@ def test_molecule_monitoring_scenario(venv_bin):
     ]
     verify = _step(out, "verify")
     for task in (
+        "Ask Prometheus at the monitoring host's SSH address (it listens on the training one only)",
         "Check that the targets are the nodes' training addresses",
         "Check the GPU series (4 GPUs on node0 and node1, none on node2, GPU 2 idle)",
         "Check that each exists on every GPU (node_load1 on every node)",
         "Ask node1's exporter at its training address from node2 (not the monitoring host)",
+        "Run the trainer for a few steps on the monitoring host with log.prometheus",
+        "Check ddp_train_step and ddp_train_loss against the trainer's last record",
     ):
         assert re.search(rf"TASK \[{re.escape(task)}\].*?ok: \[node\d\]", verify, re.S), task
     assert "failed=0" in verify and not re.search(r"failed=[1-9]", verify)
