@@ -34,7 +34,7 @@ from ddp_train.text import one_line
 FORMAT = "ddp-train-checkpoint/1"
 BEST_FORMAT = "ddp-train-best/1"  # best.pt: the weights of the best step, no optimizer/data/RNG state
 REQUIRED_KEYS = ("format", "step", "model", "optimizer", "scheduler", "data", "rng", "config")
-_NAME = re.compile(r"^step-(\d{8,})\.pt$")
+_NAME = re.compile(r"step-(\d{8,})\.pt")  # fullmatch: "$" would also match before a final "\n"
 REPLICA_INFO = ".replica.json"  # beside a replica: {"sha256", "from", "size"} (replica.Receiver)
 
 log = logging.getLogger("ddp_train.checkpoint")
@@ -135,7 +135,7 @@ def checkpoint_name(step: int) -> str:
 
 def step_of(name: str) -> int | None:
     """The step of a checkpoint file name, None for any other name."""
-    m = _NAME.match(name)
+    m = _NAME.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
@@ -145,7 +145,7 @@ def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for entry in directory.iterdir():
-        m = _NAME.match(entry.name)
+        m = _NAME.fullmatch(entry.name)
         if m and entry.is_file():
             found.append((int(m.group(1)), entry))
     return sorted(found)
@@ -495,7 +495,8 @@ class Checkpointer:
         """After the run's last save (every rank): rank 0 waits for its replica, or says it did not
         complete; the others wait on the store, so the receiving rank is still there to finish it."""
         if self.rank == 0:
-            self.replicas.finish()
+            # half the others' wait: a stalled replica is a warning here, never their TimeoutError
+            self.replicas.finish(self.io_timeout_s / 2)
         distributed.wait_for_io(0, self.io_timeout_s, "the replica of its last checkpoint")
         self.replicas.close()
 

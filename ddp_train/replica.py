@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ from typing import Any, BinaryIO
 from ddp_train import checkpoint
 
 CHUNK = 4 << 20
+TOKEN_TIMEOUT_S = 10.0  # a connection that has not shown the token by then is dropped
 log = logging.getLogger("ddp_train")
 
 
@@ -52,6 +54,11 @@ def receivers(rank: int, world_size: int, local_world_size: int, replicas: int) 
     of a node contiguously, node by node). None on one node."""
     nodes = world_size // max(1, local_world_size)
     return [n * local_world_size for n in range(1, min(replicas, nodes - 1) + 1)]
+
+
+def _shutdown(conn: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_RDWR)
 
 
 def _readline(f: BinaryIO, limit: int = 4096) -> str:
@@ -74,9 +81,14 @@ class Receiver:
         self.sock.bind((host, 0))
         self.sock.listen(4)
         self.address = f"{host}|{self.sock.getsockname()[1]}|{self.token}"
-        threading.Thread(target=self._serve, name="ddp-replica-recv", daemon=True).start()
+        self.lock = threading.Lock()  # one transfer writes at a time (the same <name>.tmp, prune)
+        self.thread = threading.Thread(target=self._serve, name="ddp-replica-recv", daemon=True)
+        self.thread.start()
 
     def close(self) -> None:
+        """Stop listening; shutdown() wakes the accept() that close() alone leaves blocked (Linux)."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self.sock.close()
 
@@ -86,21 +98,40 @@ class Receiver:
                 conn, _ = self.sock.accept()
             except OSError:
                 return  # closed
-            with conn:
-                conn.settimeout(self.timeout_s)  # a sender that went silent frees the thread
-                try:
-                    self.receive(conn)
-                except Exception as exc:  # noqa: BLE001 - whatever went wrong, the thread serves on
-                    log.warning("replica not received: %s: %s", type(exc).__name__, exc)
+            # a thread per connection: a peer that stalls holds its own thread, never the next transfer
+            threading.Thread(target=self._handle, args=(conn,), name="ddp-replica-conn", daemon=True).start()
 
-    def receive(self, conn: socket.socket) -> None:
+    def _handle(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(TOKEN_TIMEOUT_S)  # until the token is checked: a short wait per read ...
+            # ... and a deadline for the whole header, which a peer trickling bytes cannot extend
+            deadline = threading.Timer(TOKEN_TIMEOUT_S, _shutdown, (conn,))
+            deadline.start()
+            try:
+                self.receive(conn, deadline)
+            except Exception as exc:  # noqa: BLE001 - whatever went wrong, the receiver serves on
+                log.warning("replica not received: %s: %s", type(exc).__name__, exc)
+            finally:
+                deadline.cancel()
+
+    def receive(self, conn: socket.socket, deadline: threading.Timer) -> None:
         """One transfer: header, "send", the bytes and their sha256, then "ok" or "bad <why>"."""
         f = conn.makefile("rb")
         header = json.loads(_readline(f))
         name, size = str(header["name"]), int(header["size"])
-        if header.get("token") != self.token or checkpoint.step_of(name) is None:
+        token = header.get("token")
+        if not (isinstance(token, str) and hmac.compare_digest(token.encode(), self.token.encode())):
             conn.sendall(b"bad refused\n")
             return
+        deadline.cancel()
+        conn.settimeout(self.timeout_s)  # the token's holder: a sender that went silent frees the thread
+        if checkpoint.step_of(name) is None:
+            conn.sendall(b"bad refused\n")
+            return
+        with self.lock:
+            self._store(conn, f, header, name, size)
+
+    def _store(self, conn: socket.socket, f: BinaryIO, header: dict[str, Any], name: str, size: int) -> None:
         final = self.directory / name
         try:
             st = final.stat()
@@ -265,16 +296,17 @@ class Replicas:
             self.last = path
             self.sender.send(path)
 
-    def finish(self) -> None:
-        """Rank 0, after the last save: wait for its replica, or say that it did not complete."""
+    def finish(self, timeout_s: float) -> None:
+        """Rank 0, after the last save: wait up to `timeout_s` for its replica, or say that it did not
+        complete."""
         if self.sender is None or self.last is None:
             return
         hosts = ", ".join(h for _, h, _ in self.sender.targets)
         if not self.sender.wait(0):  # a line in the log if the process is killed while it waits
-            log.info("waiting up to %gs for the replica of %s on %s", self.timeout_s, self.last.name, hosts)
-        if not self.sender.wait(self.timeout_s):
+            log.info("waiting up to %gs for the replica of %s on %s", timeout_s, self.last.name, hosts)
+        if not self.sender.wait(timeout_s):
             log.warning("the replica of %s on %s did not complete within %gs: the last checkpoint is on this "
-                        "node only", self.last.name, hosts, self.timeout_s)  # fmt: skip
+                        "node only", self.last.name, hosts, timeout_s)  # fmt: skip
         elif self.sender.results.get(self.last):
             log.warning("the replica of %s did not complete: the last checkpoint is on this node only",
                         self.last.name)  # fmt: skip

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import re
+import select
 import socket
 import time
 from pathlib import Path
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ddp_train import checkpoint, replica
-from ddp_train.checkpoint import CorruptCheckpoint
+from ddp_train.checkpoint import Checkpointer, CorruptCheckpoint
 from tests.unit.test_train_checkpoint import state
 
 
@@ -138,7 +140,7 @@ def test_an_unreachable_receiver_is_one_warning_and_finish_says_the_copy_did_not
                             replicas=1, keep_latest_k=2, master_addr="127.0.0.1", timeout_s=5)  # fmt: skip
     reps.connect([{"host": "node0"}, {}, {"host": "node1", "replica_addr": f"127.0.0.1|{port}|t"}, {}])
     reps.send(checkpoint.save(state(10), tmp_path / "node0", 10))
-    reps.finish()
+    reps.finish(5)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 2 and all("\n" not in w for w in warnings), warnings
     assert warnings[0].startswith("replica of step-00000010.pt to node1 (rank 2) failed: ")
@@ -166,3 +168,76 @@ def test_a_receiver_that_cannot_listen_leaves_its_node_without_a_replica(tmp_pat
 )
 def test_resume_source_is_the_newest_step_then_an_own_save_then_the_lowest_rank(reports, expected):
     assert checkpoint.source_rank(reports) == expected
+
+
+def test_a_silent_connection_does_not_hold_up_the_next_transfer(tmp_path, receiver):
+    ip, port, _ = receiver.address.split("|")
+    with socket.create_connection((ip, int(port)), timeout=10):  # connected, never sends a byte
+        src = checkpoint.save(state(10), tmp_path / "node0", 10)
+        sender = replica.Sender([(1, "node1", receiver.address)], timeout_s=10)
+        sender.send(src)
+        assert sender.wait(5) and sender.results[src] == []
+
+
+def test_a_peer_trickling_bytes_without_a_token_is_dropped_after_token_timeout_s(
+    tmp_path, receiver, monkeypatch
+):
+    monkeypatch.setattr(replica, "TOKEN_TIMEOUT_S", 0.5, raising=False)  # the receiver's timeout_s is 10
+    ip, port, _ = receiver.address.split("|")
+    t0 = time.monotonic()
+    with socket.create_connection((ip, int(port)), timeout=10) as conn:
+        while time.monotonic() - t0 < 8:
+            try:
+                conn.sendall(b" ")  # a byte every 0.2 s: each read returns well within any timeout
+            except OSError:
+                break
+            if select.select([conn], [], [], 0.2)[0]:
+                assert conn.recv(100) == b""
+                break
+    assert time.monotonic() - t0 < 3
+
+
+def test_the_token_is_compared_in_constant_time(tmp_path, receiver, monkeypatch):
+    calls = []
+    compare = hmac.compare_digest
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: calls.append((a, b)) or compare(a, b))
+    test_a_stray_connection_without_the_token_writes_nothing(tmp_path, receiver)
+    assert calls == [(b"guess", receiver.token.encode())]
+
+
+def test_a_name_ending_in_a_newline_is_refused(tmp_path, receiver):
+    assert checkpoint.step_of("step-00000010.pt\n") is None
+    ip, port, token = receiver.address.split("|")
+    with socket.create_connection((ip, int(port)), timeout=10) as conn:
+        header = {"name": "step-00000010.pt\n", "size": 3, "mtime_ns": 0, "token": token, "host": "x"}
+        conn.sendall(json.dumps(header).encode() + b"\n")
+        assert conn.makefile("rb").readline() == b"bad refused\n"
+    assert not (tmp_path / "node1").exists()
+
+
+def test_close_ends_the_receivers_accept_promptly(receiver):
+    ip, port, _ = receiver.address.split("|")
+    receiver.close()
+    with pytest.raises(ConnectionRefusedError):  # a blocked accept() would keep the socket listening
+        socket.create_connection((ip, int(port)), timeout=5).close()
+    receiver.thread.join(2)
+    assert not receiver.thread.is_alive()
+
+
+def test_rank_0_gives_up_on_a_stalled_replica_well_before_the_others_wait_ends(tmp_path, caplog):
+    ckpt = Checkpointer(tmp_path / "node0", rank=0, local_rank=0, io_timeout_s=4, replicas=1, world_size=2,
+                        local_world_size=1, master_addr="127.0.0.1")  # fmt: skip
+    with socket.socket() as stalled:  # listens, never accepts: connect succeeds, no answer ever comes
+        stalled.bind(("127.0.0.1", 0))
+        stalled.listen(1)
+        port = stalled.getsockname()[1]
+        ckpt.replicas.connect([{"host": "node0"}, {"host": "node1", "replica_addr": f"127.0.0.1|{port}|t"}])
+        ckpt.replicas.send(checkpoint.save(state(10), tmp_path / "node0", 10))
+        t0 = time.monotonic()
+        ckpt.finish()  # the other ranks wait io_timeout_s=4 on the store for this
+        assert time.monotonic() - t0 < 3
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        "the replica of step-00000010.pt on node1 did not complete within 2s: the last checkpoint is on "
+        "this node only"
+    ]
