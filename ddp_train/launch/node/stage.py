@@ -15,6 +15,7 @@ The token keeps other hosts on the network from reading DEST; `serve` hands out 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import ipaddress
@@ -118,10 +119,8 @@ def _parts_dir(dest: str) -> None:
     """DEST/.ddp-stage, created 0700; refused when it is a symlink or another user's (DEST may be shared)."""
     parts = os.path.join(dest, PARTS)
     os.makedirs(dest, exist_ok=True)
-    try:
+    with contextlib.suppress(FileExistsError):
         os.mkdir(parts, 0o700)
-    except FileExistsError:
-        pass
     st = os.lstat(parts)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise SystemExit(f"stage: {parts} is not a directory (a symbolic link?); remove it")
