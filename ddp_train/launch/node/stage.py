@@ -218,7 +218,7 @@ def serve(dest: str, address: str, stdin: BinaryIO) -> None:
                 req = json.loads(r.readline(LINE_MAX))
                 if req["rel"] not in staged:
                     return
-                conn.settimeout(None)  # authenticated: the puller's own timeout bounds a stalled copy
+                conn.settimeout(120)  # authenticated: as pull's connection, a stalled copy ends both sides
                 with _open_served(dest, req["rel"]) as f:
                     conn.sendfile(f, offset=int(req["offset"]))
             except (OSError, ValueError, KeyError, TypeError):
