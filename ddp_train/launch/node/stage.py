@@ -3,16 +3,19 @@ over the SSH channel's stdin) or from another node (`serve` / `pull`, plain TCP 
 
     stage inspect DEST [CIDR]   stdin: {rel: [size, sha256]}    -> DDP-STAGE {"need": {rel: partial}, ...}
     stage recv DEST             stdin: frames (a JSON header line, then the bytes)
-    stage serve DEST ADDRESS    stdin: the token line; serves until stdin closes -> DDP-STAGE-SERVE {port}
+    stage serve DEST ADDRESS    stdin: the token line, then {rel: [size, sha256]} (only those are served);
+                                serves until stdin closes -> DDP-STAGE-SERVE {port}
     stage pull DEST HOST PORT   stdin: the token line, then {rel: [size, sha256]}
 
 Every file is written to DEST/.ddp-stage/<sha256>.part, appended to where an earlier try stopped, checked
 against its sha256 and renamed into place (os.replace: atomic on one filesystem); a part whose hash does
-not come out right is started over once. The token keeps other hosts on the network from reading DEST.
+not come out right is started over once. DEST/.ddp-stage is this user's own (0700, no symlinks followed).
+The token keeps other hosts on the network from reading DEST; `serve` hands out only the staged files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import ipaddress
@@ -20,6 +23,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -34,6 +38,8 @@ MARK, FILE_MARK, SERVE_MARK, BYTES_MARK = (
 PARTS = ".ddp-stage"
 BLOCK = 1 << 20
 REPORT_EVERY = 64 << 20  # bytes between progress lines
+AUTH_TIMEOUT = 30.0  # seconds a `serve` client has to send the token and its request
+LINE_MAX = 64 << 10  # bytes of a `serve` request line (the token, then {"rel", "offset"})
 
 
 def sha256(path: str) -> str:
@@ -102,15 +108,35 @@ def finish(dest: str, rel: str, size: int, digest: str, got: str) -> bool:
         return False
     final = safe(dest, rel)
     os.makedirs(os.path.dirname(final) or ".", exist_ok=True)
+    mask = os.umask(0o022)  # the part is 0600 in a 0700 directory; the file gets the mode open() gives
+    os.umask(mask)
+    os.chmod(part, 0o666 & ~mask)
     os.replace(part, final)
     return True
 
 
+def _parts_dir(dest: str) -> None:
+    """DEST/.ddp-stage, created 0700; refused when it is a symlink or another user's (DEST may be shared)."""
+    parts = os.path.join(dest, PARTS)
+    os.makedirs(dest, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(parts, 0o700)
+    st = os.lstat(parts)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise SystemExit(f"stage: {parts} is not a directory (a symbolic link?); remove it")
+    if st.st_uid != os.getuid():
+        raise SystemExit(f"stage: {parts} belongs to user id {st.st_uid}, not to this user; remove it")
+
+
 def _open_part(dest: str, digest: str, offset: int) -> tuple[BinaryIO, Any]:
     """The part, cut to `offset` and positioned there, and the sha256 of what it holds up to there."""
-    os.makedirs(os.path.join(dest, PARTS), exist_ok=True)
+    _parts_dir(dest)
     path = part_path(dest, digest)
-    f = open(path, "r+b" if os.path.exists(path) else "w+b")  # noqa: SIM115 (closed by the caller)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as e:  # ELOOP: the part is a symbolic link
+        raise SystemExit(f"stage: {path}: {e.strerror}") from None
+    f = os.fdopen(fd, "r+b")
     f.truncate(offset)
     h = hashlib.sha256()
     for block in iter(lambda: f.read(BLOCK), b""):
@@ -159,20 +185,44 @@ def recv(dest: str, stdin: BinaryIO) -> None:
         print(FILE_MARK + json.dumps({"rel": rel, "ok": ok}), flush=True)
 
 
+def _open_served(dest: str, rel: str) -> BinaryIO:
+    """A staged file for `serve`: no symbolic link on the way, no path that resolves outside DEST."""
+    path = safe(dest, rel)
+    if os.path.commonpath([os.path.realpath(path), os.path.realpath(dest)]) != os.path.realpath(dest):
+        raise OSError(f"{rel} is outside {dest}")
+    f = os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb")
+    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        f.close()
+        raise OSError(f"{rel} is not a regular file")
+    return f
+
+
 def serve(dest: str, address: str, stdin: BinaryIO) -> None:
     token = stdin.readline().strip()
+    if not token:
+        raise SystemExit("stage serve: no token on stdin")
+    staged = set(json.loads(stdin.readline() or "{}"))
+    for rel in staged:
+        safe(dest, rel)
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     srv = socket.socket(family, socket.SOCK_STREAM)
     srv.bind((address, 0))
     srv.listen(16)
 
     def one(conn: socket.socket) -> None:
+        conn.settimeout(AUTH_TIMEOUT)
         with conn, conn.makefile("rb") as r:
-            if not hmac.compare_digest(r.readline().strip(), token):
-                return
-            req = json.loads(r.readline())
-            with open(safe(dest, req["rel"]), "rb") as f:
-                conn.sendfile(f, offset=int(req["offset"]))
+            try:
+                if not hmac.compare_digest(r.readline(LINE_MAX).strip(), token):
+                    return
+                req = json.loads(r.readline(LINE_MAX))
+                if req["rel"] not in staged:
+                    return
+                conn.settimeout(120)  # authenticated: as pull's connection, a stalled copy ends both sides
+                with _open_served(dest, req["rel"]) as f:
+                    conn.sendfile(f, offset=int(req["offset"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                return  # a bad request or a peer gone: nothing for the server to say
 
     def accept() -> None:
         while True:
@@ -215,6 +265,8 @@ def pull(dest: str, host: str, port: int, stdin: BinaryIO) -> None:
 
 def main(argv: list[str]) -> int:
     what, args = argv[0], argv[1:]
+    if args:  # the controller shell-quotes DEST, so ~ reaches here unexpanded
+        args[0] = os.path.expanduser(args[0])
     stdin = sys.stdin.buffer
     if what == "inspect":
         wanted = json.loads(stdin.read())

@@ -164,6 +164,10 @@ def _recv_stream(session: Session, node: Node, where: str, connect_timeout: floa
     return _LocalStream(proc)
 
 
+def _changed(path: str) -> LaunchError:
+    return LaunchError(f"stage SRC {path}: changed since the scan; run stage again")
+
+
 def push(
     session: Session,
     node: Node,
@@ -187,13 +191,26 @@ def push(
                 for rel, offset in sorted(todo.items()):
                     size, digest = source.files[rel]
                     head = {"rel": rel, "size": size, "sha256": digest, "offset": offset}
-                    stream.send(json.dumps(head).encode() + b"\n")
-                    with open(os.path.join(source.root, rel), "rb") as f:
+                    path = os.path.join(source.root, rel)
+                    try:
+                        f = open(path, "rb")  # noqa: SIM115 (closed below)
+                    except OSError:
+                        raise _changed(path) from None
+                    with f:
+                        if os.fstat(f.fileno()).st_size != size:
+                            raise _changed(path)
+                        stream.send(json.dumps(head).encode() + b"\n")
                         f.seek(offset)
-                        for block in iter(lambda: f.read(CHUNK), b""):  # noqa: B023 (used at once)
+                        left = size - offset  # exactly what the header says, or the stream is out of step
+                        while left:
+                            block = f.read(min(CHUNK, left))
+                            if not block:
+                                raise _changed(path)
                             stream.send(block)
-                            sent += len(block)
+                            sent, left = sent + len(block), left - len(block)
                             progress.add(len(block))
+                        if f.read(1):
+                            raise _changed(path)
                 stream.send(b"{}\n")
             except RemoteError as e:  # the node stopped reading: what it said is the reason
                 lines.append(str(e))
@@ -213,12 +230,15 @@ def push(
 
 
 class Server:
-    """`stage serve` on a node that holds the data: its port, the token on stdin, stopped by EOF."""
+    """`stage serve` on a node that holds the data: its port; the token and the files it may hand out on
+    stdin; stopped by EOF."""
 
-    def __init__(self, session: Session, node: Node, where: str, address: str, token: str) -> None:
+    def __init__(
+        self, session: Session, node: Node, where: str, address: str, token: str, files: Wanted
+    ) -> None:
         self.node, self.address = node, address
         self.stream = session.start(command(node.venv, "stage", "serve", where, address), stdin=True)
-        self.stream.send(token.encode() + b"\n")
+        self.stream.send(token.encode() + b"\n" + json.dumps(files).encode() + b"\n")
         lines = self.stream.lines()
         for ln in lines:
             if ln.startswith(SERVE_MARK):
@@ -340,7 +360,9 @@ def stage(
                     for h, _ in pairs:
                         if h.name not in servers:
                             addr = states[h.name].get("address") or ("127.0.0.1" if h.local else h.address)
-                            servers[h.name] = Server(pool.get(h), h, wheres[h.name], addr, token)
+                            servers[h.name] = Server(
+                                pool.get(h), h, wheres[h.name], addr, token, source.files
+                            )
 
                     def one(pair: tuple[Node, Node]) -> tuple[Node, Node, list[str]]:
                         h, n = pair
