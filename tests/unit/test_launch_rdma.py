@@ -122,7 +122,7 @@ def test_all_nodes_with_active_ports_pass_and_down_ports_are_named():
 
 
 def test_nodes_that_disagree_fail_naming_the_nodes():
-    _, checks = checks_for({"a": "ib_two_active", "b": "ib_all_down", "c": None, "d": "roce"})
+    _, checks = checks_for({"a": "ib_two_active", "b": "ib_all_down", "c": None, "d": "ib_connectx"})
     rdma.check_cluster(checks)
     fails = {c.name: c.failures for c in checks}
     assert fails["a"] == [] and fails["d"] == []
@@ -133,6 +133,24 @@ def test_nodes_that_disagree_fail_naming_the_nodes():
     assert fails["c"][0].startswith(
         "no ACTIVE RDMA port (no HCA in /sys/class/infiniband); but a, d have one"
     )
+
+
+def test_ib_and_roce_nodes_fail_in_one_line_naming_the_nodes_per_link_layer():
+    _, checks = checks_for({"a": "ib_connectx", "b": "roce_connectx", "c": "ib_connectx", "d": None})
+    rdma.check_cluster(checks)
+    fails = {c.name: c.failures for c in checks}
+    assert fails["a"] == [
+        "the RDMA nodes differ in link layer (IB on a, c; RoCE on b): an IB port cannot reach a RoCE one; "
+        "give every node the same fabric, or set ddp_rdma: off (or --rdma off) for TCP"
+    ]
+    assert fails["b"] == fails["c"] == []
+    assert fails["d"][0].startswith("no ACTIVE RDMA port (no HCA in /sys/class/infiniband); but a, b, c have")
+
+
+def test_the_same_link_layers_on_every_node_pass():
+    _, checks = checks_for({"a": "ib_connectx", "b": "ib_two_active"})
+    rdma.check_cluster(checks)
+    assert [c.failures for c in checks] == [[], []]
 
 
 def test_no_node_with_rdma_passes():

@@ -155,12 +155,23 @@ def transport(c: NodeCheck) -> Transport | None:
 
 def check_cluster(checks: Sequence[NodeCheck]) -> None:
     """Preflight: ddp_rdma on refuses a GPU node without an ACTIVE RDMA port; the GPU nodes must agree
-    (all use RDMA, or none does: NCCL would mix IB and TCP between nodes); ports that are not ACTIVE are
-    named (a warning).
+    (all use RDMA, or none does: NCCL would mix IB and TCP between nodes), and the RDMA nodes must have
+    the same link layers (an IB port cannot reach a RoCE one: one line on the first RDMA node names the
+    nodes per link layer); ports that are not ACTIVE are named (a warning).
 
     GPU-less nodes run gloo, which never uses verbs, and are not compared."""
     found = [(c, t) for c in checks if (t := transport(c)) is not None and t.kind != "gloo"]
     have = sorted(c.name for c, t in found if t.rdma)
+    layers: dict[str, list[str]] = {}
+    for c, t in found:
+        if t.rdma:
+            layers.setdefault(t.kind, []).append(c.name)
+    if len(layers) > 1:
+        per = "; ".join(f"{kind} on {', '.join(sorted(names))}" for kind, names in sorted(layers.items()))
+        next(c for c, t in found if t.rdma).fail(
+            f"the RDMA nodes differ in link layer ({per}): an IB port cannot reach a RoCE one; give every "
+            "node the same fabric, or set ddp_rdma: off (or --rdma off) for TCP"
+        )
     for c, t in found:
         ports = ports_from_raw(c.facts["rdma"])
         down = [p.describe() for p in ports if not p.active]
