@@ -120,3 +120,43 @@ def test_monitor_here_warns_that_this_machine_stops_the_job(
     assert seen == [["--hosts", "inv", "--monitor-here", "--job-id", "j1"]]
     err = capsys.readouterr().err
     assert "--monitor-here" in err and "stops the job within 30 s" in err
+
+
+def _systemctl(monkeypatch: pytest.MonkeyPatch, active: int, write_state: Path | None = None) -> None:
+    """systemd-run succeeds (writing job.json "starting" when asked); is-active answers `active`."""
+    import subprocess
+
+    def run(argv: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+        if argv[0] == "systemd-run" and write_state is not None:
+            jobstate.write_private(write_state, b'{"state": "starting", "job_id": "j"}')
+        return subprocess.CompletedProcess(argv, active if argv[:2] == ["systemctl", "is-active"] else 0, "")
+
+    monkeypatch.setattr(subprocess, "run", run)
+
+
+def test_a_gone_unit_is_a_failure_whatever_its_state_file_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = tmp_path / jobstate.STATE_FILE
+    jobstate.write_private(state, b'{"state": "starting", "job_id": "j"}')
+    _systemctl(monkeypatch, active=3)
+    from ddp_train import exitcodes
+
+    assert clustermon.Unit("ddp-j", state).poll() == exitcodes.NODE_FAILED
+    jobstate.write_private(state, b'{"state": "finished", "exit_code": 143, "job_id": "j"}')
+    assert clustermon.Unit("ddp-j", state).poll() == 143
+
+
+def test_detach_stops_waiting_for_a_start_after_its_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from ddp_train.launch.jobs import jobcmds
+
+    job_dir = jobstate.private_dir(tmp_path / "j")
+    _systemctl(monkeypatch, active=0, write_state=job_dir / jobstate.STATE_FILE)
+    monkeypatch.setattr(jobcmds, "DETACH_WAIT_S", 0.5)
+    t0 = time.monotonic()
+    assert jobcmds.start_monitor(["true"], "j", job_dir, where="", supervisor="systemd") == 0
+    assert time.monotonic() - t0 < 30
+    out = capsys.readouterr().out
+    assert "job j is still starting after 0 s" in out and str(job_dir / jobstate.CONSOLE_FILE) in out

@@ -239,3 +239,91 @@ def test_in_a_slurm_step_a_second_sigterm_is_the_same_stop(monkeypatch: pytest.M
         assert signal.getsignal(signal.SIGTERM) == stop._handle
     finally:
         stop.restore()
+
+
+class SeqSession(FakeSession):
+    """squeue answers one state after another (the last one stays); scancel answers 0."""
+
+    def __init__(self, states: list[str]) -> None:
+        super().__init__({"scancel": (0, "")})
+        self.states = states
+
+    def exec(self, command: str, timeout: float = 30, stdin: bytes | None = None) -> tuple[int, str]:
+        if command.startswith("squeue"):
+            self.commands.append(command)
+            state = self.states.pop(0) if len(self.states) > 1 else self.states[0]
+            return 0, f"{state}|None|n0|n0"
+        if command.startswith("scontrol"):
+            self.commands.append(command)
+            return 0, "JobId=7 JobState=CANCELLED Reason=None NodeList=n0 BatchHost=n0 ExitCode=0:15"
+        return super().exec(command, timeout, stdin)
+
+
+def scancels(fake: FakeSession) -> list[str]:
+    return [c for c in fake.commands if c.startswith("scancel")]
+
+
+def stop_job(monkeypatch: pytest.MonkeyPatch, fake: FakeSession) -> int:
+    monkeypatch.setattr(jobctl, "_sessions", lambda slurm: (fake, {}))
+    monkeypatch.setattr("time.sleep", lambda s: None)
+    data = {"job_id": "sj", "state": "lost", "slurm": {"id": "7", "dir": "/x"}}
+    return jobctl.command(argparse.Namespace(command="stop"), Path("."), data) or 0
+
+
+def test_stop_job_cancels_a_pending_job_plainly(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = SeqSession(["PENDING", "CANCELLED"])
+    assert stop_job(monkeypatch, fake) == 0
+    assert scancels(fake) == ["scancel 7"]
+
+
+def test_stop_job_sends_the_clean_stop_once_more_when_the_pending_job_ran(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = SeqSession(["PENDING", "RUNNING", "RUNNING", "CANCELLED"])
+    assert stop_job(monkeypatch, fake) == 0
+    assert scancels(fake) == ["scancel 7", "scancel --batch --signal=TERM 7"]
+
+
+def test_stop_job_gives_up_waiting_after_its_deadline(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake = SeqSession(["RUNNING"])
+    monkeypatch.setattr(jobctl, "STOP_WAIT_S", 0.0)
+    assert stop_job(monkeypatch, fake) != 0
+    assert scancels(fake) == ["scancel --batch --signal=TERM 7"]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "still not ended" in err and "scancel 7" in err
+
+
+def backend(tmp_path: Path) -> submit.SlurmBackend:
+    inv = inventory(tmp_path)
+    s = settings.load(opts(), [inv], [])
+    cfg = argparse.Namespace(monitor=True, connect_timeout=5, log_dir=str(tmp_path))
+    b = submit.SlurmBackend(cfg, None, s)  # type: ignore[arg-type]
+    b.slurm_id, b.stop_sent = "7", True
+    return b
+
+
+@pytest.mark.parametrize(
+    ("states", "sent"),
+    [
+        (["PENDING", "PENDING", "CANCELLED"], ["scancel 7"]),
+        (["PENDING", "RUNNING", "RUNNING", "CANCELLED"], ["scancel 7", "scancel --batch --signal=TERM 7"]),
+        (["RUNNING", "RUNNING", "CANCELLED"], ["scancel --batch --signal=TERM 7"]),
+    ],
+)
+def test_the_launchers_stop_cancels_a_pending_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, states: list[str], sent: list[str]
+) -> None:
+    inv = inventory(tmp_path)
+    plan = build_plan(load_nodes([inv]), Options(job_id="sj"))
+    b = backend(tmp_path)
+    fake = SeqSession(states)
+    notes: list[str] = []
+    b.log = argparse.Namespace(note=notes.append, line=lambda *a: None)  # type: ignore[assignment]
+    monkeypatch.setattr(b, "_session", lambda: fake)
+    monkeypatch.setattr(submit.time, "sleep", lambda s: None)
+    monkeypatch.setattr(submit.jobctl, "read_logs", lambda *a: {})
+    res = b._follow(plan, lambda state: None)
+    assert scancels(fake) == sent
+    assert (res.code, res.stopped_cleanly) == (143, True), notes

@@ -67,3 +67,52 @@ def test_the_status_of_a_live_local_job_has_the_gpu_table(tmp_path: Path, monkey
     out = gpuuse.lines(data, live=True)
     assert out[0].split() == ["HOST", "GPUS", "UTIL", "MEAN/MIN", "MEM", "USED", "LEAST", "BUSY", "NOTE"]
     assert out[1].split()[:3] == ["n0", "4", "72/0"], out
+
+
+@pytest.mark.parametrize(
+    ("argv", "files"),
+    [
+        (["-i", "a.yml", "--hosts", "b.yml", "train.py"], {}),  # -i and a repeated --hosts
+        (["--hosts", "c.yml", "--group", "big", "train.py"], {}),
+        (["--hosts", "d.yml", "-e", "@vars.yml", "train.py"], {"vars.yml": "ddp_gpu_idle_warn: 50\n"}),
+        # no --hosts: the default inventory
+        (["train.py"], {"inventory/local/hosts.yml": "all:\n  hosts:\n    n0: {}\n    n1: {}\n"}),
+    ],
+)
+def test_status_reads_the_inventory_the_job_was_launched_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str], files: dict[str, str]
+) -> None:
+    from ddp_train.launch.remote import remote
+
+    local = "{ansible_connection: local}"
+    inventories = {
+        "a.yml": f"all:\n  hosts:\n    n0: {local}\n",
+        "b.yml": f"all:\n  hosts:\n    n1: {local}\n",
+        "c.yml": f"all:\n  children:\n    gpu_nodes:\n      hosts:\n        x: {local}\n"
+        f"    big:\n      hosts:\n        n0: {local}\n        n1: {local}\n",
+        "d.yml": f"all:\n  hosts:\n    n0: {local}\n    n1: {local}\n",
+    }
+    for name, text in inventories.items():
+        (tmp_path / name).write_text(text)
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+
+    class Fake:
+        def exec(self, command: str, timeout: float = 30) -> tuple[int, str]:
+            return 0, "0, 30, 1000, 81559\n"
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(remote, "open_session", lambda node: Fake())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # status runs from any directory
+    data = {"job_id": "j", "argv": argv, "cwd": str(tmp_path),
+            "nodes": [{"host": "n0", "rank": 0}, {"host": "n1", "rank": 1}]}  # fmt: skip
+    out = gpuuse.lines(data, live=True)
+    assert [ln.split()[0] for ln in out[1:]] == ["n0", "n1"], out
+    starving = "STARVING" in out[1]  # 30 %: starving only below -e's ddp_gpu_idle_warn 50
+    assert starving == ("-e" in argv), out
+    assert Path.cwd() == elsewhere

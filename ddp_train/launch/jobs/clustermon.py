@@ -264,7 +264,10 @@ class Unit:
             return int(data.get("exit_code") or 0)
         if subprocess.run(["systemctl", "is-active", "--quiet", self.name], check=False).returncode == 0:
             return None
-        return None if data.get("state") in jobstate.LIVE else exitcodes.NODE_FAILED
+        data = jobstate.read_state(self.state_path) or {}  # it may have written its end as it exited
+        if data.get("state") == "finished":
+            return int(data.get("exit_code") or 0)
+        return exitcodes.NODE_FAILED  # the unit is gone: whatever its state file still says
 
     def wait(self, timeout: float) -> int:
         deadline = time.monotonic() + timeout

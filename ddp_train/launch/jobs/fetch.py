@@ -49,13 +49,9 @@ def dirs(job_id: str, data: dict[str, Any]) -> tuple[str, str, str]:
 
 
 def rank0_node(job_id: str, data: dict[str, Any], host: str) -> Any:
-    from ddp_train.launch.cliparse import DEFAULT_INVENTORY
-    from ddp_train.launch.jobs.recorded import parsed
-    from ddp_train.launch.plan.inventory import load_nodes
+    from ddp_train.launch.jobs.recorded import inventory_nodes
 
-    _, opts = parsed(job_id, data)
-    nodes = load_nodes(opts.hosts or [DEFAULT_INVENTORY], group=opts.group, extra_vars=opts.extra_vars)
-    found = [n for n in nodes if n.name == host]
+    found = [n for n in inventory_nodes(job_id, data) if n.name == host]
     if not found:
         raise LaunchError(f"job {job_id}: rank 0's host {host} is no longer in the inventory")
     return found[0]

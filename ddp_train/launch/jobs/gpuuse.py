@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 FIELDS = ("index", "utilization.gpu", "memory.used", "memory.total")
@@ -56,31 +54,18 @@ def row(host: str, gpus: list[Gpu] | None, idle_warn: float, live: bool, error: 
             f"GPU {least.index} {least.util:.0f} %", flag]  # fmt: skip
 
 
-def _hosts_arg(argv: Sequence[str]) -> str | None:
-    for i, a in enumerate(argv):
-        if a == "--hosts" and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith("--hosts="):
-            return a.split("=", 1)[1]
-    return None
-
-
 def lines(data: dict[str, Any], live: bool) -> list[str]:
     """The GPU table of a job (job.json `data`), or one line saying why there is none."""
-    from ddp_train.launch.plan.inventory import load_nodes
+    from ddp_train.launch.jobs.recorded import inventory_nodes
     from ddp_train.launch.remote.fanout import parallel
     from ddp_train.launch.remote.remote import open_session
     from ddp_train.launch.run.logs import table
 
-    hosts = _hosts_arg(data.get("argv") or [])
-    if not hosts:
-        return ["gpu: the job's command names no --hosts inventory"]
-    path = hosts if Path(hosts).is_absolute() or "," in hosts else str(Path(data.get("cwd") or ".") / hosts)
     wanted = [n.get("host") for n in data.get("nodes") or []]
     try:
-        nodes = [n for n in load_nodes([path]) if n.name in wanted]
+        nodes = [n for n in inventory_nodes(str(data.get("job_id")), data) if n.name in wanted]
     except Exception as e:  # noqa: BLE001 - an inventory changed since the launch: say so, keep status
-        return [f"gpu: cannot read the job's inventory {hosts}: {e}"]
+        return [f"gpu: cannot read the job's inventory: {e}"]
 
     def query(node: Any) -> list[str]:
         try:

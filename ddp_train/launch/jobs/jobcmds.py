@@ -4,8 +4,8 @@ A detached job runs in a monitor process: `python -m ddp_train.launch.cli run --
 launch as a foreground run, in a new session (setsid: no controlling terminal, so closing the terminal
 sends it no SIGHUP, and it ignores SIGHUP besides), stdin from /dev/null, stdout and stderr to
 logs/<job>/console.log (what a foreground run prints). `--detach` shows that file until the job runs on
-every node (or the monitor gives up: preflight failed, ...) and returns. The job's state is in
-logs/<job>/job.json (launch/jobs/jobstate.py); `stop` sends the monitor SIGTERM, the graceful stop of a
+every node (or the monitor gives up: preflight failed, ...; at most 15 min) and returns. The job's state
+is in logs/<job>/job.json (launch/jobs/jobstate.py); `stop` sends the monitor SIGTERM, the graceful stop of a
 foreground Ctrl-C/SIGTERM (every rank finishes its step, rank 0 saves).
 """
 
@@ -29,6 +29,7 @@ from ddp_train.launch.run.logs import host_log_path, table
 from ddp_train.launch.run.progress import duration, read_host_log
 
 POLL_S = 0.3
+DETACH_WAIT_S = 900.0  # --detach stops showing the start after this; the monitor goes on
 PROXIED = os.environ.get(clustermon.PROXIED_ENV) == "1"  # run by clustermon.proxy: its records are not ours
 
 
@@ -175,6 +176,7 @@ def start_monitor(argv: list[str], job_id: str, job_dir: Path, where: str, super
                 close_fds=True,
             )
     shown = start
+    deadline = time.monotonic() + DETACH_WAIT_S
     try:
         while True:
             shown = _show_new(console_path, shown, sys.stdout)
@@ -182,6 +184,14 @@ def start_monitor(argv: list[str], job_id: str, job_dir: Path, where: str, super
             data = jobstate.read_state(state_path) or {}
             if data.get("state") in ("running", "stopping", "finished") or code is not None:
                 break
+            if time.monotonic() > deadline:
+                print(
+                    f"ddp-launch: job {job_id} is still {data.get('state') or 'starting'} after "
+                    f"{DETACH_WAIT_S:.0f} s; it goes on detached (ddp-launch status {job_id}); its output: "
+                    f"{console_path}",
+                    flush=True,
+                )
+                return 0
             time.sleep(POLL_S)
     except KeyboardInterrupt:
         proc.terminate()

@@ -50,6 +50,21 @@ def in_recorded_dir(job_id: str, data: dict[str, Any]) -> None:
     os.chdir(cwd)
 
 
+def inventory_nodes(job_id: str, data: dict[str, Any]) -> list[Any]:
+    """The inventory's nodes as the recorded command selects them (--hosts/-i, --group, -e; the default
+    inventory without --hosts), re-read now from the recorded directory. LaunchError (one line)."""
+    from ddp_train.launch.cliparse import DEFAULT_INVENTORY
+    from ddp_train.launch.plan.inventory import load_nodes
+
+    _, opts = parsed(job_id, data)
+    here = os.getcwd()
+    in_recorded_dir(job_id, data)
+    try:
+        return load_nodes(opts.hosts or [DEFAULT_INVENTORY], group=opts.group, extra_vars=opts.extra_vars)
+    finally:
+        os.chdir(here)
+
+
 def unmask(job_id: str, options: list[str]) -> list[str]:
     """Masked `--env NAME=***` -> `--secret-env NAME` (its value from this shell); LaunchError otherwise."""
     from ddp_train.launch.plan.plan import MASK

@@ -36,6 +36,10 @@ class SlurmState:
     exit_code: int | None = None  # once ended: the batch script's exit code (128 + N after signal N)
 
     @property
+    def pending(self) -> bool:
+        return self.state.split()[0] == "PENDING" if self.state else False
+
+    @property
     def ended(self) -> bool:
         return self.state.split()[0] in ENDED or self.state == "UNKNOWN"
 
@@ -95,9 +99,26 @@ def exit_code(s: SlurmState) -> int:
     return exitcodes.NODE_FAILED
 
 
-def stop(session: Session, slurm_id: str) -> tuple[int, str]:
-    """The clean stop: SIGTERM to the driver alone (scancel(1) --batch); a pending job is cancelled."""
+STOP_WAIT_S = 900.0  # `stop JOB` gives up waiting for the end after this (the job keeps its stop)
+
+
+def stop(session: Session, slurm_id: str, pending: bool = False) -> tuple[int, str]:
+    """The clean stop: SIGTERM to the driver alone (scancel(1) --batch). A pending job is cancelled
+    plainly: nothing ran, nothing to save, and slurmctld refuses any signal but KILL to a pending job
+    (ESLURM_JOB_PENDING "Job is pending execution"; scancel retries it, see Slurm's src/scancel/scancel.c)."""
+    if pending:
+        return cancel(session, slurm_id)
     return session.exec(f"scancel --batch --signal=TERM {shlex.quote(slurm_id)}", 20)
+
+
+def stop_line(slurm_id: str, pending: bool, rc: int, out: str) -> str:
+    """What stop() did, for the user."""
+    what = (
+        f"scancel {slurm_id} (it was pending: nothing ran, nothing to save)"
+        if pending
+        else f"scancel --batch --signal=TERM {slurm_id} (every rank finishes its step and saves)"
+    )
+    return what + ("" if rc == 0 else ": " + out.strip())
 
 
 def cancel(session: Session, slurm_id: str) -> tuple[int, str]:
@@ -147,8 +168,8 @@ def command(opts: Any, job_dir: Any, data: dict[str, Any]) -> int | None:
 
     status prints Slurm's state first. While the launcher (or its monitor) still follows the job, logs and
     stop are the usual ones (its SIGTERM handler sends the clean stop). Once nobody follows it (Ctrl-C
-    detached, the monitor gone) they go to Slurm: stop = `scancel --batch --signal=TERM`, logs = the
-    driver's per-node files on the batch host."""
+    detached, the monitor gone) they go to Slurm: stop = `scancel --batch --signal=TERM` (a pending job:
+    `scancel`), logs = the driver's per-node files on the batch host."""
     import sys
     import time
 
@@ -171,15 +192,24 @@ def command(opts: Any, job_dir: Any, data: dict[str, Any]) -> int | None:
             if s.ended:
                 print(f"ddp-launch: job {data['job_id']} is not running ({s.line(slurm_id)})")
                 return 0
-            rc, out = stop(session, slurm_id)
-            print(
-                f"ddp-launch: scancel --batch --signal=TERM {slurm_id}: every rank finishes its step, saves"
-                f"{'' if rc == 0 else ': ' + out.strip()}",
-                flush=True,
-            )
+            pending = s.pending
+            rc, out = stop(session, slurm_id, pending)
+            print(f"ddp-launch: {stop_line(slurm_id, pending, rc, out)}", flush=True)
+            deadline = time.monotonic() + STOP_WAIT_S
             while not s.ended:
+                if time.monotonic() > deadline:
+                    print(
+                        f"ddp-launch: {s.line(slurm_id)}, still not ended {STOP_WAIT_S:.0f} s after the stop "
+                        f"(scancel {slurm_id} ends it at once)",
+                        file=sys.stderr,
+                    )
+                    return exitcodes.NODE_FAILED
                 time.sleep(1)
                 s = query(session, slurm_id)
+                if pending and s.state == "RUNNING":  # it started before the cancel took: stop it once more
+                    pending = False
+                    rc, out = stop(session, slurm_id)
+                    print(f"ddp-launch: {stop_line(slurm_id, False, rc, out)}", flush=True)
             print(s.line(slurm_id))
             return 0 if exit_code(s) in (0, exitcodes.SIGTERM) else exitcodes.NODE_FAILED
         offsets: dict[str, int] = {}

@@ -195,22 +195,22 @@ class SlurmBackend:
         log, slurm_id = self.log, self.slurm_id
         nodes = {p.node.name: p.node for p in plan.nodes}
         offsets: dict[str, int] = {}
-        shown, stopped = "", False
+        shown, stopped, pending = "", False, False
         s = jobctl.SlurmState("PENDING")
         t0 = time.monotonic()
         batch = ""
         while True:
             try:
                 session = self._session()
-                if self.stop_sent and not stopped:
-                    stopped = True
-                    on_state("stopping")
-                    rc, out = jobctl.stop(session, slurm_id)
-                    log.note(
-                        f"stop: scancel --batch --signal=TERM {slurm_id} (every rank finishes its step "
-                        f"and saves){'' if rc == 0 else ': ' + out.strip()}"
-                    )
                 s = jobctl.query(session, slurm_id)
+                if self.stop_sent and not s.ended and (not stopped or (pending and s.state == "RUNNING")):
+                    if not stopped:
+                        on_state("stopping")
+                    # a pending job is cancelled; one that started before the cancel took gets the stop once
+                    pending = s.pending and not stopped
+                    stopped = True
+                    rc, out = jobctl.stop(session, slurm_id, pending)
+                    log.note(f"stop: {jobctl.stop_line(slurm_id, pending, rc, out)}")
                 if s.state != shown:
                     shown = s.state
                     log.note(s.line(slurm_id))
