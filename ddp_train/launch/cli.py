@@ -109,14 +109,12 @@ def _main(argv: Sequence[str] | None) -> int:
 
         try:
             job_id = check_job_id(opts.job_id or new_job_id())
-            # a Slurm job is Slurm's: it outlives this machine, whose monitor only follows it
-            here = opts.monitor_here or runargs.slurm_settings(opts) is not None
-            code = None if here else _detach_to_cluster(opts, trainer_args, job_id, shown)
+            code = None if opts.monitor_here else _detach_to_cluster(opts, trainer_args, job_id, shown)
             if code is not None:
                 return code
         except LaunchError as e:
             return _usage(str(e))
-        if opts.monitor_here and runargs.slurm_settings(opts) is None:
+        if opts.monitor_here and opts.backend != "slurm":
             from ddp_train.launch.jobs.clustermon import HERE_WARNING
 
             print(HERE_WARNING, file=sys.stderr, flush=True)
@@ -226,12 +224,14 @@ def _slurm_dry_run(plan: JobPlan, slurm: SlurmSettings) -> int:
 def _detach_to_cluster(opts: argparse.Namespace, trainer_args: list[str], job_id: str,
                        argv: Sequence[str]) -> int | None:  # fmt: skip
     """--detach with the monitor on the cluster (jobs/clustermon.py); None when the monitor host is this
-    machine (a local inventory), which the local detach serves."""
+    machine (a local inventory) or the job goes to Slurm, which the local detach serves."""
     from ddp_train.launch import runargs
     from ddp_train.launch.jobs import clustermon
 
     opts.job_id = job_id
     plan = runargs.build(opts, trainer_args, False)
+    if runargs.slurm_settings(opts) is not None:  # a Slurm job outlives this machine: follow it from here
+        return None
     monitor = clustermon.monitor_node(plan, opts)
     if monitor is None:
         return None
