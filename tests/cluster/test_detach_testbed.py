@@ -34,16 +34,19 @@ def bed() -> Iterator[Testbed]:
         yield tb
 
 
-def provision(tb: Testbed, root: Path) -> Path:
+def provision(tb: Testbed, root: Path, monitor: str = "node0", host_vars: dict | None = None,
+              all_vars: dict | None = None) -> Path:  # fmt: skip
     """An inventory of the testbed, provisioned by playbooks/cluster_monitor.yml (roles/cluster_monitor)
-    with its defaults: the key in node0's ~/.ssh, every host key in node0's /etc/ssh/ssh_known_hosts (each
-    host's own /root and /etc are overlays). Applied twice (the second changes nothing), then in check mode.
+    with its defaults: the key in the monitor host's ~/.ssh, every host key in its /etc/ssh/ssh_known_hosts
+    (each host's own /root and /etc are overlays). Applied twice (the second changes nothing), then in check
+    mode. host_vars and all_vars add to the inventory's (make_inventory).
 
     The testbed's sshd reads one shared authorized_keys file, so the line the role wrote on each host
     goes there, as it is (with its from=node0)."""
-    hostkeys = {h.name: {"cluster_monitor_host_key": str(tb.state_dir / "hosts" / h.name / HOSTKEY)}
-                for h in tb.hosts()}  # fmt: skip
-    inv = make_inventory(tb, root, host_vars=hostkeys, all_vars={"ddp_monitor_dir": str(root / "monitor")})
+    hostkeys = {h.name: {"cluster_monitor_host_key": str(tb.state_dir / "hosts" / h.name / HOSTKEY),
+                         **(host_vars or {}).get(h.name, {})} for h in tb.hosts()}  # fmt: skip
+    inv = make_inventory(tb, root, host_vars=hostkeys,
+                         all_vars={"ddp_monitor_dir": str(root / "monitor"), **(all_vars or {})})  # fmt: skip
     env = tool_env(Path(LAUNCH).parent, root / "facts")
     playbook = [str(Path(LAUNCH).parent / "ansible-playbook"), "-i", str(inv)]
     playbook.append("playbooks/cluster_monitor.yml")
@@ -51,15 +54,16 @@ def provision(tb: Testbed, root: Path) -> Path:
         res = run([*playbook, *extra], env)
         assert res.returncode == 0, res.stdout + res.stderr
         recap = res.stdout[res.stdout.index("PLAY RECAP") :]
-        assert re.search(rf"node0\s+: ok=\d+\s+{changed}", recap), recap
+        assert re.search(rf"{monitor}\s+: ok=\d+\s+{changed}", recap), recap
     lines = []
+    address = next(h.ip for h in tb.hosts() if h.name == monitor)
     for h in tb.hosts():
         written = tb.state_dir / "hosts" / h.name / "ovl" / "root" / "upper" / ".ssh" / "authorized_keys"
         ours = [line for line in written.read_text().splitlines() if "ddp-cluster-monitor" in line]
-        assert len(ours) == 1 and ours[0].startswith(f'from="{tb.hosts()[0].ip}" ssh-ed25519 '), ours
+        assert len(ours) == 1 and ours[0].startswith(f'from="{address}" ssh-ed25519 '), ours
         lines += ours
     known = (
-        tb.state_dir / "hosts" / "node0" / "ovl" / "etc" / "upper" / "ssh" / "ssh_known_hosts"
+        tb.state_dir / "hosts" / monitor / "ovl" / "etc" / "upper" / "ssh" / "ssh_known_hosts"
     ).read_text()
     assert all(f"{h.name} ssh-ed25519 " in known and f"{h.ip} ssh-ed25519 " in known for h in tb.hosts()), (
         known

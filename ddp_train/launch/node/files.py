@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from typing import Any
 
 from . import tree
@@ -37,7 +38,9 @@ def main(argv: list[str]) -> int:
             continue
         try:
             st = os.stat(os.path.expanduser(p))
-            files[p] = [st.st_size, int(st.st_mtime)]
+            # a directory (data.tokens.path): its size and mtime say nothing of its files, and differ
+            # between nodes that got the same files at different times (`ddp-launch stage` checks hashes)
+            files[p] = [0, 0] if stat.S_ISDIR(st.st_mode) else [st.st_size, int(st.st_mtime)]
         except OSError as e:
             files[p] = e.strerror
     print(MARK + json.dumps(r), flush=True)
