@@ -45,6 +45,21 @@ def test_bad_job(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch
     assert "field" in err_line(capsys)
 
 
+@pytest.mark.parametrize("command", ["fetch", "restart"])
+def test_a_job_monitored_on_the_cluster_names_its_monitor_host(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, command: str
+) -> None:
+    """Its job.json is with its monitor (--detach): the line says where, not only that logs/ lacks it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    record = tmp_path / "state" / "ddp-train" / "jobs" / "j9.json"
+    record.parent.mkdir(parents=True)
+    record.write_text(json.dumps({"job_id": "j9", "log_dir": "jobs", "monitor": {"name": "node2"}}))
+    assert cli.main([command, "j9"]) == 2
+    line = err_line(capsys)
+    assert "no job 'j9' in logs/" in line and "on node2 (ddp_monitor_host)" in line
+
+
 def test_fetch_what_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         cli.main(["fetch", "j1", "newest"])

@@ -123,6 +123,15 @@ def load(job_id: str, log_dir: str) -> dict[str, Any]:
         raise LaunchError(f"job {job_id!r}: not a job id (letters, digits, '.', '_', '-')")
     data = jobstate.read_state(jobstate.state_path(log_dir, job_id))
     if data is None:
+        from ddp_train.launch.jobs.clustermon import load_record
+
+        record = load_record(job_id) or {}
+        where = (record.get("monitor") or {}).get("name")
+        if where:  # its job.json is with its monitor on the cluster (--detach)
+            raise LaunchError(
+                f"no job {job_id!r} in {log_dir}/: its monitor and job.json are on {where} "
+                f"(ddp_monitor_host); run this command there, or the job's command again with --exclude"
+            )
         raise LaunchError(f"no job {job_id!r} in {log_dir}/")
     return data
 
