@@ -235,3 +235,14 @@ def test_master_outside_the_training_network_is_refused():
     with pytest.raises(LaunchError, match="outside ddp_network_cidr 198.51.100.0/24.*ddp_master_addr"):
         master_address(node, None, all_local=False)
     assert master_address(node, "198.51.100.10", all_local=False) == "198.51.100.10"
+
+
+def test_token_files_and_tokenizers_are_no_secrets() -> None:
+    """data.tokens.path is where the trainer's token files are: masking it hid the data path in every log
+    and made `restart` refuse the recorded command; HF_TOKEN and an access_token stay secret."""
+    from ddp_train.launch.plan.plan import is_secret, mask_argv
+
+    assert not is_secret("data.tokens.path") and not is_secret("TOKENIZERS_PARALLELISM")
+    assert is_secret("HF_TOKEN") and is_secret("auth.access_token") and is_secret("GITHUB_TOKEN_RO")
+    argv = ["--set", "data.tokens.path=data/mine", "--env", "HF_TOKEN=hf_x"]
+    assert mask_argv(argv, []) == ["--set", "data.tokens.path=data/mine", "--env", "HF_TOKEN=***"]

@@ -29,8 +29,11 @@ from ddp_train.launch.remote.sync import Manifest, remote_dir
 PGID_MARKER = "DDP-LAUNCH-PGID"
 # A value is secret when its name looks like one, when it holds a URL with a password (user:pass@host),
 # or when the inventory (ddp_secret_env) or the command line (--secret-env) marks it so.
+# TOKEN but not TOKENS/TOKENIZER: `data.tokens.path` (the trainer's token files) and
+# TOKENIZERS_PARALLELISM are no secrets, and masking them hid the data path and broke `restart`
 SECRET_NAME = re.compile(
-    r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|PASSPHRASE|PWD|CREDENTIAL|AUTH|COOKIE|PRIVATE|SIGNATURE", re.IGNORECASE
+    r"TOKEN(?!S|IZ)|KEY|SECRET|PASSWORD|PASSWD|PASSPHRASE|PWD|CREDENTIAL|AUTH|COOKIE|PRIVATE|SIGNATURE",
+    re.IGNORECASE,
 )
 URL_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/@\s:]*:[^/@\s]+@")
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
