@@ -60,7 +60,8 @@ def provision(tb: Testbed, root: Path, monitor: str = "node0", host_vars: dict |
     for h in tb.hosts():
         written = tb.state_dir / "hosts" / h.name / "ovl" / "root" / "upper" / ".ssh" / "authorized_keys"
         ours = [line for line in written.read_text().splitlines() if "ddp-cluster-monitor" in line]
-        assert len(ours) == 1 and ours[0].startswith(f'from="{address}" ssh-ed25519 '), ours
+        allowed = re.match(r'^from="([0-9.,]+)" ssh-ed25519 ', ours[0]) if len(ours) == 1 else None
+        assert allowed and address in allowed.group(1).split(","), ours  # its SSH (and training) address
         lines += ours
     known = (
         tb.state_dir / "hosts" / monitor / "ovl" / "etc" / "upper" / "ssh" / "ssh_known_hosts"
