@@ -58,6 +58,19 @@ def test_a_job_monitored_on_the_cluster_names_its_monitor_host(
     assert cli.main([command, "j9"]) == 2
     line = err_line(capsys)
     assert "no job 'j9' in logs/" in line and "on node2 (ddp_monitor_host)" in line
+    if command == "restart":  # the record keeps the command (masked) and its directory: enough to restart
+        argv = ["--hosts", "inv", "--detach", "--env", "HF_TOKEN=***", "--job-id", "j9"]
+        record.write_text(json.dumps({"job_id": "j9", "log_dir": "jobs", "monitor": {"name": "node2"},
+                                      "argv": argv, "cwd": str(tmp_path)}))  # fmt: skip
+        ran: list[list[str]] = []
+        monkeypatch.setattr(cli, "main", lambda a: ran.append(a) or 0)
+        monkeypatch.setenv("HF_TOKEN", "t0")
+        from ddp_train.launch.jobs import fetch
+
+        data = fetch.load("j9", "logs", command=True)  # job.json is not here: the record's command
+        assert data["argv"] == argv
+        assert recorded.restart("j9", data, ["--exclude", "n0"]) == 0
+        assert ran and "--exclude" in ran[0] and "--detach" in ran[0] and "HF_TOKEN=***" not in ran[0]
 
 
 def test_fetch_what_is_checked(capsys: pytest.CaptureFixture[str]) -> None:

@@ -92,6 +92,7 @@ def cluster_plan(plan: JobPlan) -> JobPlan:
 def detach_to_cluster(cfg: LaunchConfig, monitor: Node) -> int:
     """Prepare the job here, start its monitor on `monitor`, show its output until the job runs."""
     from ddp_train.launch.pipeline import Refused, SshBackend
+    from ddp_train.launch.plan.plan import mask_argv
     from ddp_train.launch.remote.remote import RemoteError
     from ddp_train.launch.run.logs import JobLog
 
@@ -111,7 +112,7 @@ def detach_to_cluster(cfg: LaunchConfig, monitor: Node) -> int:
                 "options": {k: getattr(cfg, k) for k in OPTIONS},
                 "config": (Path(plan.config).name, Path(plan.config).read_bytes()) if plan.config else None,
             }
-            save_record(plan.job_id, monitor, monitor_dir)
+            save_record(plan.job_id, monitor, monitor_dir, mask_argv(list(cfg.argv), plan.secrets()))
             log.note(f"starting the job's monitor on {monitor.name} ({monitor.where}), in {monitor_dir}")
             try:
                 code = _start_remote(nodes.pool.get(monitor), monitor, monitor_dir, plan.job_id,
@@ -160,9 +161,12 @@ def record_path(job_id: str) -> Path:
     return records_dir() / f"{job_id}.json"
 
 
-def save_record(job_id: str, monitor: Node | None, log_dir: str) -> None:
-    """monitor None: the monitor runs here, its state under log_dir (made absolute)."""
+def save_record(job_id: str, monitor: Node | None, log_dir: str, argv: list[str] | None = None) -> None:
+    """monitor None: the monitor runs here, its state under log_dir (made absolute). `argv` (secrets
+    masked) and this directory are kept for `restart`, whose job.json is then on the monitor host."""
     data: dict[str, Any] = {"job_id": job_id, "saved": time.time()}
+    if argv is not None:
+        data.update(argv=argv, cwd=os.getcwd())
     if monitor is None:
         data["log_dir"] = str(Path(log_dir).resolve())
     else:

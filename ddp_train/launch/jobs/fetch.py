@@ -114,8 +114,9 @@ def fetch(job_id: str, data: dict[str, Any], what: str, to: str, connect_timeout
     return f"{final} ({found['size']} bytes, sha256 {found['sha256'][:16]}, from {host}:{found['path']})"
 
 
-def load(job_id: str, log_dir: str) -> dict[str, Any]:
-    """job.json of JOB under log_dir; LaunchError (one line) for a bad id or a missing job."""
+def load(job_id: str, log_dir: str, command: bool = False) -> dict[str, Any]:
+    """job.json of JOB under log_dir; LaunchError (one line) for a bad id or a missing job. `command`:
+    the recorded command is enough (restart), which the record of a job monitored on the cluster keeps."""
     from ddp_train.launch.jobs import jobstate
     from ddp_train.launch.jobs.jobcmds import JOB_ID
 
@@ -127,6 +128,8 @@ def load(job_id: str, log_dir: str) -> dict[str, Any]:
 
         record = load_record(job_id) or {}
         where = (record.get("monitor") or {}).get("name")
+        if where and command and "argv" in record:
+            return {"job_id": job_id, "argv": record["argv"], "cwd": record.get("cwd")}
         if where:  # its job.json is with its monitor on the cluster (--detach)
             raise LaunchError(
                 f"no job {job_id!r} in {log_dir}/: its monitor and job.json are on {where} "
@@ -172,7 +175,7 @@ def main(opts: Any) -> int:
     from ddp_train import exitcodes
 
     try:
-        data = load(opts.job, opts.log_dir)
+        data = load(opts.job, opts.log_dir, command=opts.command == "restart")
         if opts.command == "restart":
             from ddp_train.launch.jobs.recorded import restart
 
