@@ -117,6 +117,23 @@ def test_the_stall_watchdog_names_the_rank_whose_stack_differs() -> None:
     assert odd_ranks({("a", 0): sigs[("a", 0)]}) == []
 
 
+def test_the_main_thread_is_found_below_runpy_whatever_thread_caught_the_signal() -> None:
+    """`python -m ddp_train` puts runpy's frames outside `<module>`, and faulthandler lists first the thread
+    that caught SIGUSR1: on a node with a checkpoint replica receiver, that thread waiting in accept()
+    was taken for the main thread and its rank named as the odd one (CI, test_jobs_testbed)."""
+    receiver = (
+        "Current thread 0x00007f02 (most recent call first):\n"
+        '  File "/usr/lib/python3.11/socket.py", line 294 in accept\n'
+        '  File "/x/ddp_train/replica.py", line 90 in _serve\n'
+        '  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap\n\n'
+    )
+    runpy = '  File "<frozen runpy>", line 88 in _run_code\n'
+    runpy += '  File "<frozen runpy>", line 198 in _run_module_as_main\n'
+    main_thread = WAITER.split("\n", 1)[1].replace("Current thread", "Thread")
+    dump = "--- faulthandler ---\n" + receiver + main_thread + runpy
+    assert main_frames(dump)[0] == "_engine_run_backward (graph.py)"
+
+
 def test_the_stall_timeout_is_derived_from_the_step_gaps_with_a_floor() -> None:
     watch = StallWatch("j", Path("/nonexistent"), None, StepTimes())
     assert watch.check() is None  # not armed before the first step line

@@ -135,7 +135,10 @@ def main_frames(dump: str) -> tuple[str, ...]:
         m = FRAME.match(line)
         if m and threads:
             threads[-1].append(f"{m.group(3)} ({Path(m.group(1)).name})")
-    main = [t for t in threads if t and "<module>" in t[-1]]
+    # the main thread runs a module's top level somewhere below it (`python -m` adds runpy's frames
+    # outside it); the others start in threading's _bootstrap, and the thread faulthandler lists first
+    # is whichever caught the signal (e.g. the checkpoint replica's receiver waiting in accept)
+    main = [t for t in threads if any(f.startswith("<module> ") for f in t)]
     return tuple((main or threads or [[]])[0])
 
 
