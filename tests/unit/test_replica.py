@@ -236,7 +236,8 @@ def test_rank_0_gives_up_on_a_stalled_replica_well_before_the_others_wait_ends(t
         t0 = time.monotonic()
         ckpt.finish()  # the other ranks wait io_timeout_s=4 on the store for this
         assert time.monotonic() - t0 < 3
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        # read before the listener closes: its reset makes the abandoned sender warn once more (CI)
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warnings == [
         "the replica of step-00000010.pt on node1 did not complete within 2s: the last checkpoint is on "
         "this node only"
