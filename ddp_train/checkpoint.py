@@ -27,6 +27,7 @@ from torch import nn
 
 from ddp_train import distributed, storage
 from ddp_train.config import Config, ConfigError
+from ddp_train.digest import file_sha256
 from ddp_train.distributed import DistEnv
 from ddp_train.errors import UserError
 from ddp_train.text import one_line
@@ -225,14 +226,6 @@ def write_replica_info(path: Path, info: dict[str, Any]) -> None:
     publish(replica_info(path), lambda f: f.write(json.dumps(info).encode()))
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(4 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def check_replica(path: Path) -> str | None:
     """For a replica: its origin host, after its sha256 matched the one sent with it (else
     CorruptCheckpoint); None for a checkpoint this node saved itself."""
@@ -245,7 +238,7 @@ def check_replica(path: Path) -> str | None:
         raise CorruptCheckpoint(
             path, f"unreadable {replica_info(path).name} ({type(exc).__name__})"
         ) from None
-    got = sha256_file(path)
+    got = file_sha256(path)
     if got != want:
         raise CorruptCheckpoint(path, f"replica sha256 {got[:12]} differs from {want[:12]} sent by {origin}")
     return origin

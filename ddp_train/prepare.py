@@ -29,6 +29,7 @@ from ddp_train import tokenizer as tokenizers_
 from ddp_train.cliargs import Parser
 from ddp_train.config import ConfigError
 from ddp_train.console import emit_line
+from ddp_train.digest import file_sha256
 from ddp_train.metrics import ProgressBar
 
 META_FORMAT = "ddp-train-tokens/1"
@@ -308,7 +309,7 @@ def prepare(
         "val_split": {"files": [str(p) for p in held_out]} if held_out else {"fraction": val_fraction},
         "chunk_bytes": chunk_bytes,
         "sources": [
-            {"path": str(p), "bytes": p.stat().st_size, "sha256": tokenizers_.file_sha256(p), "split": split}
+            {"path": str(p), "bytes": p.stat().st_size, "sha256": file_sha256(p), "split": split}
             for p, split in [(p, "train+val" if val_fraction else "train") for p in train_paths]
             + [(p, "val") for p in held_out]
         ],

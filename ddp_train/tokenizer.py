@@ -6,7 +6,6 @@ is ever fetched from a hub: a tokenizer is either built here or read from a file
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ddp_train.config import ConfigError
+from ddp_train.digest import file_sha256
 
 BYTE_VOCAB = 256
 BPE_FILE = "tokenizer.json"
@@ -75,15 +75,6 @@ class HFTokenizer:
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "file": self.path.name, "sha256": file_sha256(self.path)}
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of a file, read in 1 MiB blocks (prepare's source hashes use it too)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out: Path) -> HFTokenizer:

@@ -8,13 +8,13 @@ temporary name and is renamed into place only when its sha256 matches.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import posixpath
 import shutil
 from pathlib import Path
 from typing import Any
 
+from ddp_train.digest import file_sha256
 from ddp_train.launch.errors import LaunchError, one_line
 from ddp_train.launch.node import command, marked_json
 from ddp_train.launch.node.results import MARK
@@ -57,14 +57,6 @@ def rank0_node(job_id: str, data: dict[str, Any], host: str) -> Any:
     return found[0]
 
 
-def sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def fetch(job_id: str, data: dict[str, Any], what: str, to: str, connect_timeout: float = 10) -> str:
     """Copy the file; its local path. LaunchError (one line) if it cannot."""
     from ddp_train.launch.jobs.recorded import in_recorded_dir
@@ -104,7 +96,7 @@ def fetch(job_id: str, data: dict[str, Any], what: str, to: str, connect_timeout
             session.close()
     except RemoteError as e:
         raise LaunchError(str(e)) from None
-    got = sha256(str(tmp))
+    got = file_sha256(tmp)
     if got != found["sha256"]:
         tmp.unlink()
         raise LaunchError(
