@@ -288,14 +288,19 @@ def test_a_big_project_is_checked_fast(tmp_path: Path) -> None:
     script = write(tmp_path, files)
     # Baseline measured in the same run (this machine is noisy): reading and parsing the same files,
     # the least any ast-based check must do. The check may cost about two parses, not a walk per rule.
-    start = time.monotonic()
-    for path in sorted(tmp_path.glob("*.py")):
-        ast.parse(path.read_text(), str(path))
-    parse = time.monotonic() - start
-    start = time.monotonic()
-    check = check_script(script)
-    took = time.monotonic() - start
-    assert len(check.files) == 151 and check.findings == ()
+    # Both are pure in-process work: compared in CPU time (other pytest-xdist workers on the same cores
+    # stretch wall time, not this), best of three interleaved rounds.
+    parses, tooks = [], []
+    for _ in range(3):
+        start = time.process_time()
+        for path in sorted(tmp_path.glob("*.py")):
+            ast.parse(path.read_text(), str(path))
+        parses.append(time.process_time() - start)
+        start = time.process_time()
+        check = check_script(script)
+        tooks.append(time.process_time() - start)
+        assert len(check.files) == 151 and check.findings == ()
+    parse, took = min(parses), min(tooks)
     assert took < 4 * parse + 0.3, f"{took:.2f}s for 151 files (parsing them alone: {parse:.2f}s)"
 
 
