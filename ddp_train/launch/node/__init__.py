@@ -9,27 +9,35 @@ JSON line from its stdin (`env_line`), then execs the script with it (`envexec.p
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import shlex
+import threading
 from collections.abc import Mapping
 from importlib import resources
 from typing import Any
 
 PACKAGE = __name__
+# ast on CPython 3.11 is not thread-safe: concurrent parses (one per node's session thread) can raise
+# "SystemError: AST constructor recursion depth mismatch" (python/cpython#106905). Parsed once, under a lock.
+_PARSE_LOCK = threading.Lock()
 
 
 def _text(module: str) -> str:
     return resources.files(PACKAGE).joinpath(f"{module}.py").read_text(encoding="utf-8")
 
 
-def _siblings(module: str) -> list[str]:
+@functools.cache
+def _siblings(module: str) -> tuple[str, ...]:
     """The modules `module` imports with `from . import x` (each before the module that imports it)."""
     out: list[str] = []
-    for node in ast.walk(ast.parse(_text(module))):
+    with _PARSE_LOCK:
+        tree = ast.parse(_text(module))
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level == 1:
             names = [node.module] if node.module else [a.name for a in node.names]
             out += [n.split(".")[0] for n in names]
-    return out
+    return tuple(out)
 
 
 def sources(module: str) -> dict[str, str]:
