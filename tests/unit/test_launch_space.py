@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +42,36 @@ def test_estimate_is_weights_times_three_under_adamw_and_best_pt_the_weights() -
     assert checkpoint_bytes(load_config(None, ["train.optimizer=sgd", "train.momentum=0"]))[0] == best
 
 
-@pytest.mark.skipif(sys.platform != "linux" or __import__("os").geteuid() != 0, reason="mounts a tmpfs")
+def test_a_built_in_models_size_is_remembered_so_the_next_launch_does_not_import_torch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = checkpoint_bytes(load_config(None, []))
+    cache = tmp_path / "ddp-train" / "model-bytes.json"
+    assert (cache.stat().st_mode & 0o777, cache.parent.stat().st_mode & 0o777) == (0o600, 0o700)
+    probe = (
+        "import json, sys; from ddp_train.config import load_config; "
+        "from ddp_train.launch.preflight.preflight import checkpoint_bytes; "
+        "print(json.dumps([checkpoint_bytes(load_config(None, sys.argv[1:])), 'torch' in sys.modules]))"
+    )
+
+    def launch(*overrides: str) -> list:
+        env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+        out = subprocess.run(
+            [sys.executable, "-c", probe, *overrides], env=env, capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    assert launch() == [list(first), False]  # remembered: torch not imported
+    wider = launch("model.mlp.hidden_dim=256")  # another model: built (torch imported), then remembered
+    assert wider[1] is True and wider[0][1] > first[1]
+    assert launch("model.mlp.hidden_dim=256") == [wider[0], False]
+    cache.write_text("{not json")  # a damaged cache is rebuilt, never an error
+    assert launch() == [list(first), True]
+
+
+@pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="mounts a tmpfs")
 def test_a_small_run_dir_is_a_warning_naming_it_and_a_failure_with_strict(tmp_path: Path) -> None:
     with tmpfs(tmp_path / "small", "size=256k") as small:
         c = check(tmp_path, small, strict=False)

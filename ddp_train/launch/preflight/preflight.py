@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
+import importlib.util
 import ipaddress
 import json
+import os
 import posixpath
 import secrets
 import socket
+import tempfile
+from pathlib import Path
 from typing import Any
 
+from ddp_train.digest import file_sha256
 from ddp_train.launch.errors import LaunchError, one_line
 from ddp_train.launch.node import command, env_line, marked_json
 from ddp_train.launch.node.probe import PROBE_MARK
@@ -435,9 +441,29 @@ FILE_OVERHEAD = (
 def checkpoint_bytes(cfg: Any) -> tuple[int, int] | None:
     """(one checkpoint, best.pt) in bytes, estimated from the model's parameters: fp32 weights, plus
     AdamW's two moments (SGD's one momentum buffer) per weight in a checkpoint; best.pt holds the
-    weights only (checkpoint.Checkpointer.save_best). The model is built on the meta device: no memory,
-    no data.
+    weights only (checkpoint.Checkpointer.save_best).
     None when the model cannot be built here (a plug-in that needs the nodes)."""
+    weights = weight_bytes(cfg)
+    if weights is None:
+        return None
+    moments = 2 if cfg.train.optimizer == "adamw" else (1 if cfg.train.momentum else 0)
+    return weights * (1 + moments) + FILE_OVERHEAD, weights + FILE_OVERHEAD
+
+
+def weight_bytes(cfg: Any) -> int | None:
+    """The model's weights in bytes, from the model built on the meta device (no memory, no data).
+
+    A built-in model's size follows from its own config section and models.py alone: remembered per
+    user (`_size_cache`), so a launch does not import torch (~1.2 s of CPU) to learn again what an
+    earlier launch learned. A plug-in is built every time. None when the model cannot be built here."""
+    key = None
+    source = importlib.util.find_spec("ddp_train.models")  # found, not imported (that imports torch)
+    if cfg.model.name in ("mlp", "gpt") and source is not None and source.origin:
+        section = json.dumps(dataclasses.asdict(getattr(cfg.model, cfg.model.name)), sort_keys=True)
+        key = f"{cfg.model.name} {section} {file_sha256(source.origin)}"
+        cached = _size_cache().get(key)
+        if isinstance(cached, int):
+            return cached
     try:
         import torch
 
@@ -448,8 +474,46 @@ def checkpoint_bytes(cfg: Any) -> tuple[int, int] | None:
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
     except Exception:  # noqa: BLE001 - an estimate only: the trainer reports what really fails
         return None
-    moments = 2 if cfg.train.optimizer == "adamw" else (1 if cfg.train.momentum else 0)
-    return weights * (1 + moments) + FILE_OVERHEAD, weights + FILE_OVERHEAD
+    if key is not None:
+        _remember_size(key, int(weights))
+    return int(weights)
+
+
+SIZE_CACHE_ENTRIES = 64
+
+
+def _size_cache_file() -> Path:
+    """$XDG_CACHE_HOME/ddp-train/model-bytes.json (XDG Base Directory spec; default ~/.cache)."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser()
+    return cache / "ddp-train" / "model-bytes.json"
+
+
+def _size_cache() -> dict[str, Any]:
+    try:
+        data = json.loads(_size_cache_file().read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: the model is built instead
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _remember_size(key: str, weights: int) -> None:
+    """Adds one entry (the newest SIZE_CACHE_ENTRIES kept), written atomically, 0600 in a 0700 dir."""
+    path = _size_cache_file()
+    entries = {k: v for k, v in _size_cache().items() if k != key}
+    entries[key] = weights
+    entries = dict(list(entries.items())[-SIZE_CACHE_ENTRIES:])
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".model-bytes.")  # 0600
+    except OSError:  # a read-only home: the next launch builds the model again
+        return
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(entries, f)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
 
 
 def check_space(checks: list[NodeCheck], cfg: Any, strict: bool) -> None:
