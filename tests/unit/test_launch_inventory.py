@@ -194,3 +194,16 @@ def test_parse_ssh_args() -> None:
 )  # fmt: skip
 def test_one_nproc_validator_for_inventory_and_command_line(value: object, want: str | None) -> None:
     assert nproc_value(value) == want
+
+
+def test_reading_an_inventory_leaves_the_environment_as_it_was(tmp_path: Path) -> None:
+    """Its strict parsing once leaked ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED into os.environ, and so
+    into every tool this process started later (a `molecule syntax` of a scenario not yet created)."""
+    import os
+
+    before = dict(os.environ)
+    write(tmp_path / "inv" / "hosts", "[gpu_nodes]\na\n[gpu_nodes:vars]\nfoo\n")
+    with pytest.raises(LaunchError):
+        load_nodes([str(tmp_path / "inv")])
+    load_nodes(["inventory/local"])
+    assert dict(os.environ) == before

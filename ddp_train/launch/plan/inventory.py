@@ -109,9 +109,8 @@ def load_nodes(
     for src in sources:
         if "," not in src and not Path(src).exists():
             raise LaunchError(f"inventory {src}: no such file or directory")
-    os.environ.setdefault("ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED", "true")
-    os.environ.setdefault("ANSIBLE_LOCALHOST_WARNING", "false")
     with _quiet_ansible() as notes:
+        from ansible import constants
         from ansible.errors import AnsibleError
         from ansible.inventory.manager import InventoryManager
         from ansible.parsing.dataloader import DataLoader
@@ -119,10 +118,17 @@ def load_nodes(
 
         loader = DataLoader()
         where = ", ".join(sources)
+        # A source no plugin parses is an error here, not a warning and an empty inventory. Set on
+        # Ansible's constants for this parse only (InventoryManager reads it while parsing), never in
+        # os.environ: that leaked into every process this one started (a later `molecule syntax`).
+        strict = constants.INVENTORY_ANY_UNPARSED_IS_FAILED
+        constants.INVENTORY_ANY_UNPARSED_IS_FAILED = True
         try:
             inventory = InventoryManager(loader=loader, sources=list(sources))
         except AnsibleError as e:
             raise LaunchError(_parse_failure(where, notes, e)) from None
+        finally:
+            constants.INVENTORY_ANY_UNPARSED_IS_FAILED = strict
         extra = _load_extra_vars(loader, extra_vars)
         variables = VariableManager(loader=loader, inventory=inventory)
         hosts = _select_hosts(inventory, where, group, limit, exclude, notes)
