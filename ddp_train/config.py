@@ -142,7 +142,7 @@ class LogConfig:
     peak_tflops: float | None = None
     tensorboard: bool = False
     prometheus: bool = False
-    prometheus_textfile: str = "/var/lib/prometheus/node-exporter/ddp_train.prom"
+    prometheus_textfile: str = "/var/lib/prometheus/node-exporter/ddp_train-{user}-{run}.prom"
 
 
 @dataclass

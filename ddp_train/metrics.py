@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pwd
+import re
 import sys
 import tempfile
 import time
@@ -161,6 +163,22 @@ class JsonlWriter:
             self._f = None
 
 
+def _user_name() -> str:
+    """The name of the user this process runs as (the file's owner), not $USER."""
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:  # a uid without a passwd entry (containers)
+        return str(os.geteuid())
+
+
+def _file_part(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text).lstrip(".") or "_"
+
+
+def _label_value(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 # The step record's fields log.prometheus exposes: (record key, metric, help).
 PROM_FIELDS = (
     ("step", "ddp_train_step", "The latest optimizer step rank 0 reported."),
@@ -177,8 +195,13 @@ class PromTextfile:
     own port; the trainer opens none. val_loss keeps its last value between evaluations."""
 
     def __init__(self, inner: Any, path: Path, run: str) -> None:
-        self.inner, self.path = inner, path
-        self.labels = 'run="{}"'.format(run.replace("\\", "\\\\").replace('"', '\\"'))
+        user = _user_name()
+        # {user} and {run} in the path: one file per user and run. In the shared textfile directory
+        # (setgid + sticky, monitoring_textfile_writers_group) one user cannot replace another's file,
+        # and two files with the same series make node_exporter report neither.
+        self.inner = inner
+        self.path = Path(str(path).replace("{user}", _file_part(user)).replace("{run}", _file_part(run)))
+        self.labels = f'run="{_label_value(run)}",user="{_label_value(user)}"'
         self.values: dict[str, float] = {}
         try:
             self._replace()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pwd
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ def test_the_textfile_holds_the_latest_step_and_the_last_val_loss(tmp_path: Path
     )
     writer.write({"step": 20, "loss": 2.25, "tokens_per_s": 13000.0, "mfu": 0.42, "grad_norm": None})
     s = _samples(prom)
-    run = f'{{run="{cfg.run_dir.name}"}}'
+    run = f'{{run="{cfg.run_dir.name}",user="{pwd.getpwuid(os.geteuid()).pw_name}"}}'
     assert s[f"ddp_train_step{run}"] == 20
     assert s[f"ddp_train_loss{run}"] == 2.25
     assert s[f"ddp_train_val_loss{run}"] == 2.75  # the last evaluation's, until the next
@@ -65,3 +66,27 @@ def test_a_missing_directory_is_one_line_naming_the_setting(tmp_path: Path) -> N
     with pytest.raises(ConfigError) as err:
         PromTextfile(JsonlWriter(None), tmp_path / "nowhere" / "ddp_train.prom", "r")
     assert "log.prometheus_textfile" in str(err.value) and "cannot write" in str(err.value)
+
+
+def test_the_default_file_is_per_user_and_run_and_its_series_say_whose(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Users share the textfile directory (setgid + sticky): one cannot replace another's file, and two
+    files holding the same series make node_exporter serve neither. The name comes from the process's
+    uid, not from $USER."""
+    monkeypatch.setenv("USER", "someone-else")
+    monkeypatch.setenv("LOGNAME", "someone-else")
+    me = pwd.getpwuid(os.geteuid()).pw_name
+    default = load_config(None, []).log.prometheus_textfile
+    assert default == "/var/lib/prometheus/node-exporter/ddp_train-{user}-{run}.prom"
+    textfile = str(tmp_path / Path(default).name)
+    for run in ("a", 'b "x"/y'):
+        PromTextfile(JsonlWriter(None), Path(textfile), run).write({"step": 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"ddp_train-{me}-a.prom",
+        f"ddp_train-{me}-b__x__y.prom",
+    ]
+    samples = _samples(tmp_path / f"ddp_train-{me}-b__x__y.prom")
+    assert samples[f'ddp_train_step{{run="b \\"x\\"/y",user="{me}"}}'] == 1
+    fixed = PromTextfile(JsonlWriter(None), tmp_path / "mine.prom", "a")  # no placeholder: as given
+    assert fixed.path == tmp_path / "mine.prom"
