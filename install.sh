@@ -4,9 +4,10 @@
 # package carries the collections the playbooks use: community.general, containers.podman, ...), then
 # links ddp-launch, ddp-train and the ansible commands into a bin directory on PATH.
 #
-#   ./install.sh [--prefix DIR] [--bin DIR]
+#   ./install.sh [--prefix DIR] [--bin DIR] [--force]
 #     --prefix DIR   where the venv goes [${XDG_DATA_HOME:-~/.local/share}/ddp-train]
 #     --bin DIR      where the commands are linked [~/.local/bin]
+#     --force        replace commands of the same names already in --bin (kept otherwise)
 #   DDP_PYTHON=/path/to/python3.11 ./install.sh    # pick the interpreter (>= 3.11, as ansible-core needs)
 #
 # Linux or macOS (Homebrew's python@3.11 or newer). Re-running it updates the venv in place.
@@ -15,12 +16,14 @@ cd "$(dirname "$0")"
 
 prefix=${XDG_DATA_HOME:-$HOME/.local/share}/ddp-train
 bin=$HOME/.local/bin
+force=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --prefix) prefix=${2:?--prefix needs a directory}; shift 2 ;;
     --bin) bin=${2:?--bin needs a directory}; shift 2 ;;
-    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "install.sh: unknown option '$1' (known: --prefix DIR, --bin DIR)" >&2; exit 2 ;;
+    --force) force=1; shift ;;
+    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "install.sh: unknown option '$1' (known: --prefix DIR, --bin DIR, --force)" >&2; exit 2 ;;
   esac
 done
 COMMANDS="ddp-launch ddp-train ansible ansible-playbook ansible-galaxy ansible-inventory ansible-config"
@@ -51,11 +54,22 @@ for c in $COMMANDS; do
 done
 
 mkdir -p "$bin"
+linked="" kept=""
 for c in $COMMANDS; do
+  # Another install's command there (a distribution's or pipx's ansible, say) stays as it was.
+  if { [ -e "$bin/$c" ] || [ -L "$bin/$c" ]; } && [ "$(readlink "$bin/$c")" != "$venv/bin/$c" ] && [ "$force" = 0 ]; then
+    kept="$kept $c"
+    continue
+  fi
   ln -sfn "$venv/bin/$c" "$bin/$c"  # console scripts run the venv's python by their #! line
+  linked="$linked $c"
 done
-"$bin/ddp-launch" --help >/dev/null
-echo "install.sh: $("$bin/ansible-playbook" --version | head -1); linked into $bin: $COMMANDS"
+"$venv/bin/ddp-launch" --help >/dev/null
+echo "install.sh: $("$venv/bin/ansible-playbook" --version | head -1); linked into $bin:${linked:- nothing}"
+if [ -n "$kept" ]; then
+  echo "install.sh: kept what $bin already had for:$kept (not ours; ours are in $venv/bin;" \
+       "./install.sh --force replaces them)"
+fi
 case ":$PATH:" in
   *":$bin:"*) ;;
   *) echo "install.sh: $bin is not on PATH; add it: export PATH=\"$bin:\$PATH\" (in ~/.bashrc or ~/.zshrc)" ;;

@@ -1,5 +1,6 @@
 """install.sh, README's "Install on your controller": into an empty HOME, ddp-launch, ansible-playbook and
-the playbooks' collections work from the bin directory alone, and torch is the pinned 2.13.0 (on this
+the playbooks' collections work from the bin directory alone, a command of the same name already there
+is kept, and torch is the pinned 2.13.0 (on this
 machine the local wheel: pip's log shows no torch download)."""
 
 from __future__ import annotations
@@ -25,10 +26,15 @@ def test_install_puts_the_launcher_and_ansible_on_path(tmp_path: Path) -> None:
     real_cache = Path.home() / ".cache" / "pip"  # the wheels already fetched here, not a second download
     env |= {"HOME": str(home), "PATH": "/usr/local/bin:/usr/bin:/bin", "DDP_PYTHON": str(python),
             "PIP_LOG": str(tmp_path / "pip.log"), "PIP_CACHE_DIR": str(real_cache)}  # fmt: skip
+    bin_dir = home / ".local" / "bin"
+    bin_dir.mkdir(parents=True)
+    theirs = bin_dir / "ansible-config"  # another install's command of the same name: kept
+    theirs.write_text("#!/bin/sh\necho theirs\n")
     res = subprocess.run([str(REPO / "install.sh")], env=env, capture_output=True, text=True, timeout=1100)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    bin_dir = home / ".local" / "bin"
     assert f"linked into {bin_dir}: ddp-launch ddp-train ansible ansible-playbook" in res.stdout
+    assert f"kept what {bin_dir} already had for: ansible-config (not ours" in res.stdout
+    assert not theirs.is_symlink() and theirs.read_text() == "#!/bin/sh\necho theirs\n"
     assert f"{bin_dir} is not on PATH; add it" in res.stdout
 
     def run(*argv: str) -> str:
