@@ -342,3 +342,27 @@ def test_a_hung_nvidia_smi_gets_what_is_left_of_the_probes_time(node, tmp_path):
     took = time.monotonic() - t0
     assert raw["query"][0] == 124 and "timed out" in raw["query"][1]
     assert took < 12, took  # from its own start it would have waited 20 s (the per-command limit)
+
+
+def test_doctor_shows_what_already_runs_on_the_gpus_and_dashes_where_nvidia_smi_has_no_use_fields(node):
+    """On a shared cluster the first question before a launch: is another job on these GPUs?"""
+    n1 = Node(name="n1", address="10.0.0.1", local=False, ssh=SshTarget(host="10.0.0.1"), venv="/v",
+              workdir=None, nproc="8", master_port=29500, env={}, gpu_health="strict")  # fmt: skip
+    (plan,) = build_plan([n1], Options(job_id="j")).nodes
+
+    def row() -> list[str]:
+        c = NodeCheck(plan, facts={"gpus": 8, "gpu_health": collect(*node)})
+        gpuhealth.check(c)
+        header, line = gpuhealth.render([c]).splitlines()[:2]
+        assert header.split()[-5:] == ["UTIL", "MEAN/MIN", "MEM", "USED", "GPU_HEALTH"]
+        return line.split()
+
+    assert row()[-5:] == ["0/0", "%", "0.0/637", "GiB", "ok"]  # idle: 1 MiB used of 81559 on each
+    for gpu in range(8):  # someone else's job: 97 % on seven GPUs, 20 % on one, 61 GiB each
+        edit(node[1], "query-gpu.csv", gpu, utilization__gpu="20" if gpu == 5 else "97", memory__used="62464")
+    assert row()[-5:] == ["87/20", "%", "488.0/637", "GiB", "ok"]
+    rec = node[1] / "query-gpu.csv"  # an nvidia-smi that knows neither field (or reads [N/A])
+    rows = [r.split(", ") for r in rec.read_text().splitlines()]
+    drop = {rows[0].index("utilization.gpu"), rows[0].index("memory.used")}
+    rec.write_text("\n".join(", ".join(c for i, c in enumerate(r) if i not in drop) for r in rows) + "\n")
+    assert row()[-3:] == ["-", "-", "ok"]

@@ -44,14 +44,19 @@ def row(host: str, gpus: list[Gpu] | None, idle_warn: float, live: bool, error: 
         return [host, "?", "?", "?", "?", error]
     if not gpus:
         return [host, "-", "-", "-", "-", ""]
-    utils = [g.util for g in gpus]
-    mean = sum(utils) / len(utils)
+    util, memory = use_cells(gpus)
+    mean = sum(g.util for g in gpus) / len(gpus)
     least = min(gpus, key=lambda g: (g.util, g.index))
+    flag = f"STARVING (< {idle_warn:g} %)" if live and mean < idle_warn else ""
+    return [host, str(len(gpus)), util, memory, f"GPU {least.index} {least.util:.0f} %", flag]
+
+
+def use_cells(gpus: list[Gpu]) -> tuple[str, str]:
+    """("MEAN/MIN %", "USED/TOTAL GiB") over a node's GPUs: status's columns, and doctor's."""
+    utils = [g.util for g in gpus]
     used = sum(g.used_mib for g in gpus) / 1024
     total = sum(g.total_mib for g in gpus) / 1024
-    flag = f"STARVING (< {idle_warn:g} %)" if live and mean < idle_warn else ""
-    return [host, str(len(gpus)), f"{mean:.0f}/{min(utils):.0f} %", f"{used:.1f}/{total:.0f} GiB",
-            f"GPU {least.index} {least.util:.0f} %", flag]  # fmt: skip
+    return f"{sum(utils) / len(utils):.0f}/{min(utils):.0f} %", f"{used:.1f}/{total:.0f} GiB"
 
 
 def lines(data: dict[str, Any], live: bool) -> list[str]:

@@ -34,6 +34,9 @@ GPU_FIELDS = (
     "mig.mode.current",
     "ecc.errors.uncorrected.volatile.total",
     "retired_pages.pending",
+    "utilization.gpu",  # these three: doctor's GPU use columns (another user's job on the GPUs)
+    "memory.used",
+    "memory.total",
 )
 # Rows remapping replaced page retirement on A100/H100 (retired_pages.* read [N/A] there); the
 # remap fields are a query of their own, not --query-gpu fields.

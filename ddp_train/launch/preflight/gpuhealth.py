@@ -446,9 +446,32 @@ def render(checks: Sequence[NodeCheck]) -> str | None:
                 count("mig.mode.current", "enabled"),
                 h.fabric or "n/a",
                 h.xids,
+                *_use(gpus),
                 "ok" if not h.failures else f"{'FAIL' if strict(c) else 'warn'} ({bad or len(h.failures)})",
             ]
         )
     if not rows:
         return None
-    return table(["HOST", "GPUS", "DRIVER", "PERSIST", "MIG", "FABRIC", "XID", "GPU_HEALTH"], rows)
+    headers = ["HOST", "GPUS", "DRIVER", "PERSIST", "MIG", "FABRIC", "XID", "UTIL MEAN/MIN", "MEM USED"]
+    return table([*headers, "GPU_HEALTH"], rows)
+
+
+def _use(gpus: list[Gpu]) -> tuple[str, str]:
+    """Doctor's GPU use cells, as `status` shows them: what already runs on the GPUs (another user's
+    job); "-" where nvidia-smi did not report the fields ([N/A], an older driver)."""
+    from ddp_train.launch.jobs.gpuuse import Gpu as Use
+    from ddp_train.launch.jobs.gpuuse import use_cells
+
+    try:
+        use = [
+            Use(
+                i,
+                float(g.values["utilization.gpu"]),
+                float(g.values["memory.used"]),
+                float(g.values["memory.total"]),
+            )
+            for i, g in enumerate(gpus)
+        ]
+    except (KeyError, ValueError):
+        return "-", "-"
+    return use_cells(use) if use else ("-", "-")
