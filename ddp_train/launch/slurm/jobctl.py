@@ -59,7 +59,7 @@ def query(session: Session, slurm_id: str) -> SlurmState:
             return SlurmState(state, reason, nodes, batch)
     rc, out = session.exec(f"scontrol --oneliner show job {shlex.quote(slurm_id)}", 20)
     if rc == 0 and "JobState=" in out:
-        f = dict(w.split("=", 1) for w in out.split() if "=" in w)
+        f = oneliner(out)
         return SlurmState(
             f.get("JobState", "UNKNOWN"),
             f.get("Reason", ""),
@@ -77,6 +77,11 @@ def query(session: Session, slurm_id: str) -> SlurmState:
         state, code, nodes = rows[0].split("|")
         return SlurmState(state, "", nodes, "", _exit(code))
     return SlurmState("UNKNOWN")
+
+
+def oneliner(line: str) -> dict[str, str]:
+    """The Key=Value words of one `scontrol --oneliner show ...` record."""
+    return dict(w.split("=", 1) for w in line.split() if "=" in w)
 
 
 def _exit(text: str) -> int | None:

@@ -84,7 +84,7 @@ def preflight(session: Session, s: SlurmSettings, nodes: int) -> list[str]:
         return [f"Slurm is not reachable from {where}: scontrol show partition: {first}"]
     parts = {}
     for ln in out.splitlines():
-        f = dict(w.split("=", 1) for w in ln.split() if "=" in w)
+        f = jobctl.oneliner(ln)
         if "PartitionName" in f:
             parts[f["PartitionName"]] = f
     name = s.partition or next((n for n, f in parts.items() if f.get("Default") == "YES"), None)
