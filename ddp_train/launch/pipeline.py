@@ -24,6 +24,7 @@ from ddp_train.launch.run.report import JobResult
 
 if TYPE_CHECKING:
     from ddp_train.launch.plan.scriptcheck import Finding
+    from ddp_train.launch.remote.sessionpool import SessionPool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,36 +220,42 @@ class SshBackend:
         return not errors
 
     def _sync(self, plan: JobPlan) -> bool:
-        """Ship --sync to every remote node in parallel; one line per node. False if any node failed."""
-        from ddp_train.launch.remote.fanout import parallel
-        from ddp_train.launch.remote.remote import RemoteError
-        from ddp_train.launch.remote.sync import SyncError, sync_node
+        return sync_nodes(plan, self.pool, self.cfg, self.log)
 
-        assert plan.sync is not None
-        manifest, cfg, log = plan.sync, self.cfg, self.log
 
-        def one(p: NodePlan) -> tuple[Any, str | None]:
-            if p.node.local or p.node.ssh is None:
-                return None, None
-            try:
-                s = self.pool.open(p.node)
-                return sync_node(s, p.node, manifest, cfg.sync_via, cfg.connect_timeout), None
-            except (RemoteError, SyncError) as e:
-                return None, str(e)
+def sync_nodes(plan: JobPlan, pool: SessionPool, cfg: LaunchConfig, log: JobLog) -> bool:
+    """Ship --sync to every remote node in parallel; one line per node. False if any node failed.
+    Both backends: the SSH one before its preflight, Slurm's before sbatch (every node the partition may
+    give the job)."""
+    from ddp_train.launch.remote.fanout import parallel
+    from ddp_train.launch.remote.remote import RemoteError
+    from ddp_train.launch.remote.sync import SyncError, sync_node
 
-        results = parallel(one, list(plan.nodes))
-        record = {}
-        for p, (res, err) in zip(plan.nodes, results):
-            if err:
-                log.note(f"sync failed: {err}; nothing was started")
-            elif res is None:
-                log.note(f"sync: {p.node.name}: local node, runs in {p.sync_dir}")
-            else:
-                log.note(res.line(p.sync_dir or ""))
-                record[p.node.name] = {"via": res.via, "files": res.files, "bytes": res.bytes,
-                                       "dir": p.sync_dir}  # fmt: skip
-        log.write_json("sync.json", {"source": manifest.root, "content": manifest.digest, "nodes": record})
-        return not any(err for _, err in results)
+    assert plan.sync is not None
+    manifest = plan.sync
+
+    def one(p: NodePlan) -> tuple[Any, str | None]:
+        if p.node.local or p.node.ssh is None:
+            return None, None
+        try:
+            s = pool.open(p.node)
+            return sync_node(s, p.node, manifest, cfg.sync_via, cfg.connect_timeout), None
+        except (RemoteError, SyncError) as e:
+            return None, str(e)
+
+    results = parallel(one, list(plan.nodes))
+    record = {}
+    for p, (res, err) in zip(plan.nodes, results):
+        if err:
+            log.note(f"sync failed: {err}; nothing was started")
+        elif res is None:
+            log.note(f"sync: {p.node.name}: local node, runs in {p.sync_dir}")
+        else:
+            log.note(res.line(p.sync_dir or ""))
+            record[p.node.name] = {"via": res.via, "files": res.files, "bytes": res.bytes,
+                                   "dir": p.sync_dir}  # fmt: skip
+    log.write_json("sync.json", {"source": manifest.root, "content": manifest.digest, "nodes": record})
+    return not any(err for _, err in results)
 
 
 def trainer_config(path: str | None, overrides: Sequence[str]) -> Any:

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from tests.ansible.conftest import REPO_ROOT, tool_env
+from tests.cluster.test_launch_sync_testbed import HELPER, SEED_FINAL, SEED_SCRIPT, launch_user_script
 from tests.cluster.test_launch_testbed import FINAL, SLOW, Launcher
 from tests.conftest import private_testbed
 from tests.testbed import Testbed, worker_net, worker_prefix
@@ -138,6 +139,33 @@ def test_three_nodes_through_sbatch_finish_with_identical_params(cluster) -> Non
     for i in range(3):
         lines = (logs / f"node{i}.log").read_text().splitlines()
         assert any(f" [node{i} r{i}] ddp-train: final" in ln for ln in lines), lines[-5:]
+
+
+def test_a_synced_user_script_runs_through_sbatch_with_identical_params(cluster, tmp_path: Path) -> None:
+    """--sync with the Slurm backend: the project reaches every node before sbatch (here the nodes share
+    ddp_workdir, as /tmp is shared: three copies race into one directory and one wins), the batch script
+    starts in the copy, and the README's own script finishes on three nodes."""
+    tb, root = cluster
+    project = tmp_path / "my project"
+    project.mkdir()
+    (project / "train.py").write_text(SEED_SCRIPT)
+    (project / "mymodel.py").write_text(HELPER)
+    inv = str(root / "inventory")
+
+    def args(again: str) -> list[str]:
+        job = ["--backend", "slurm", "--hosts", inv, "--job-id", f"sl-sync{again}", "--time", "10"]
+        return [*job, "--sync", str(project), "train.py", "--epochs", "2"]
+
+    code, out = launch_user_script(args, root, 3)
+    assert code == 0, out
+    assert len(re.findall(r"^ddp-launch: sync: node\d: ", out, re.M)) == 3, out
+    finals = SEED_FINAL.findall(out)
+    assert sorted((h, r, rank, w) for h, r, rank, w, _ in finals) == [
+        ("node0", "0", "0", "3"), ("node1", "1", "1", "3"), ("node2", "2", "2", "3"),
+    ]  # fmt: skip
+    assert len({sha for *_, sha in finals}) == 1, "ranks ended with different parameters"
+    copies = list((root / "work" / ".ddp-launch" / "sync").iterdir())
+    assert [c for c in copies if ".tmp-" not in c.name] and not [c for c in copies if ".tmp-" in c.name]
 
 
 def test_stop_job_saves_on_every_rank_and_exits_143(cluster) -> None:

@@ -327,3 +327,36 @@ def test_the_launchers_stop_cancels_a_pending_job(
     res = b._follow(plan, lambda state: None)
     assert scancels(fake) == sent
     assert (res.code, res.stopped_cleanly) == (143, True), notes
+
+
+def test_sync_needs_one_workdir_path_on_every_node_and_submits_nothing_otherwise(tmp_path: Path) -> None:
+    """One batch script has one --chdir: nodes whose synced copies would lie in different directories
+    are refused in one line, before any node is touched."""
+    from ddp_train.launch.pipeline import Refused
+    from ddp_train.launch.remote.sync import scan
+
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "train.py").write_text("print('hi')\n")
+    extra = (
+        "    ansible_connection: ssh\n  hosts:\n    n0: {ansible_host: 10.0.0.1, ddp_workdir: /w0}\n"
+        "    n1: {ansible_host: 10.0.0.2, ddp_workdir: /w1}\n"
+    )
+    inv = tmp_path / "hosts.yml"
+    inv.write_text(
+        "all:\n  vars:\n    ddp_backend: slurm\n" + extra + "  children:\n"
+        "    gpu_nodes:\n      hosts:\n        n0:\n        n1:\n"
+        "    slurm_controller:\n      hosts:\n        n0:\n"
+    )
+    plan = build_plan(load_nodes([str(inv)]), Options(job_id="sj", sync=scan(str(tmp_path / "proj"))))
+    b = backend(tmp_path)
+    notes: list[str] = []
+    b.log = argparse.Namespace(note=notes.append, line=lambda *a: None)  # type: ignore[assignment]
+    with pytest.raises(Refused) as refused:
+        b.prepare(plan, lambda p: None)
+    assert refused.value.code == 2 and len(notes) == 1, notes
+    assert "--sync with --backend slurm: the nodes' copies would be in 2 different directories" in notes[0]
+    assert (
+        "/w0/.ddp-launch/sync/" in notes[0]
+        and "same ddp_workdir" in notes[0]
+        and "nothing was submitted" in notes[0]
+    )

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ddp_train import exitcodes
 from ddp_train.launch.jobs import jobstate
-from ddp_train.launch.pipeline import LaunchConfig, Refused
+from ddp_train.launch.pipeline import LaunchConfig, Refused, sync_nodes
 from ddp_train.launch.plan.plan import JobPlan
 from ddp_train.launch.run.logs import JobLog
 from ddp_train.launch.run.report import JobResult
@@ -134,11 +134,20 @@ class SlurmBackend:
 
         log = self.log
         if plan.sync:
-            log.note(
-                "--sync with --backend slurm: not supported yet (ship the code to the nodes first); "
-                "nothing was submitted"
-            )
-            raise Refused(exitcodes.BAD_INPUT)
+            # One batch script, one --chdir: the synced copy must have one path on every node.
+            dirs = sorted({p.sync_dir or "" for p in plan.nodes})
+            if len(dirs) > 1:
+                log.note(
+                    f"--sync with --backend slurm: the nodes' copies would be in {len(dirs)} different "
+                    f"directories ({', '.join(dirs[:3])}); give every node the same ddp_workdir; "
+                    "nothing was submitted"
+                )
+                raise Refused(exitcodes.BAD_INPUT)
+            # Over SSH to every node the partition may give the job, before sbatch. Where compute nodes
+            # refuse SSH outside a job (pam_slurm_adopt), sync fails in one line per node: put the code
+            # in a directory the nodes share instead.
+            if not sync_nodes(plan, self.pool, self.cfg, log):
+                raise Refused(exitcodes.NODE_FAILED)
         try:
             session = self._session()
             problems = [] if self.cfg.skip_preflight else preflight(session, self.s, len(plan.nodes))
