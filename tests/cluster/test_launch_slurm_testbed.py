@@ -191,6 +191,28 @@ def test_stop_job_saves_on_every_rank_and_exits_143(cluster) -> None:
     assert ckpts, "rank 0 saved no checkpoint"
 
 
+def test_a_plain_scancel_is_the_same_clean_stop(cluster) -> None:
+    """The user's own `scancel JOB` (not `ddp-launch stop`): Slurm signals every step process at once;
+    each rank still saves its step and the job ends 143, named, with no traceback."""
+    tb, root = cluster
+    inv = str(root / "inventory")
+    job = ["--backend", "slurm", "--hosts", inv, "--job-id", "sl-scancel", "--set", "run.dir=runs-sl-sc"]
+    run = Launcher([*job, *SLOW], root)
+    try:
+        run.wait_for(r"\[node0 r0\] .*step \d+/2000", timeout=180)
+        slurm_id = re.search(r"submitted Slurm job (\d+)", run.text).group(1)
+        tb.ssh(tb.hosts()[0], f"scancel {slurm_id}")
+        assert run.wait(120) == 143, run.text
+    finally:
+        run.stop()
+    stops = STOPPED.findall(run.text)
+    assert sorted(h for h, _, _ in stops) == ["node0", "node1", "node2"], run.text
+    assert len({step for *_, step in stops}) == 1, run.text
+    assert "Traceback" not in run.text
+    assert re.search(rf"Slurm job {slurm_id}: CANCELLED", run.text), run.text
+    assert list((root / "work" / "runs-sl-sc").rglob("*.pt")), "rank 0 saved no checkpoint"
+
+
 @pytest.mark.parametrize(
     ("args", "line"),
     [

@@ -20,7 +20,7 @@ STEP_LINE = re.compile(
     r"(\d+(?:\.\d+)?) s/step"
 )
 SAVE_LINE = re.compile(r" INFO saved .+\.pt in (\d+(?:\.\d+)?)s")
-STOPPED_LINE = re.compile(r"ddp-train: stopped rank=(\d+) world=\d+ step=(\d+) signal=(\w+)")
+STOPPED_LINE = re.compile(r"ddp-train: stopped rank=(\d+) world=(\d+) step=(\d+) signal=(\w+)")
 # rank 0's last line of a run (meter.StepLog.run_throughput): wall-clock beside compute-only tokens/s
 THROUGHPUT = re.compile(
     r"ddp-train\[rank 0\] INFO throughput: (\d+) steps in (\d+(?:\.\d+)?)s wall: (\d+) tok/s wall-clock, "
@@ -59,10 +59,11 @@ class Stopped:
     rank: int
     step: int
     signal: str
+    world: int = 0
 
 
 def parse_stopped(lines: Iterable[str]) -> list[Stopped]:
-    return [Stopped(int(m[1]), int(m[2]), m[3]) for m in map(STOPPED_LINE.search, lines) if m]
+    return [Stopped(int(m[1]), int(m[3]), m[4], int(m[2])) for m in map(STOPPED_LINE.search, lines) if m]
 
 
 def parse_throughput(lines: list[str]) -> dict[str, float] | None:

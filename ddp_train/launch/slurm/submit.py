@@ -26,6 +26,7 @@ from ddp_train.launch.pipeline import LaunchConfig, Refused, sync_nodes
 from ddp_train.launch.plan.plan import JobPlan
 from ddp_train.launch.run.logs import JobLog
 from ddp_train.launch.run.report import JobResult
+from ddp_train.launch.run.trainerlog import Stopped, parse_stopped
 from ddp_train.launch.slurm import jobctl
 from ddp_train.launch.slurm.driver import log_dir
 from ddp_train.launch.slurm.settings import SlurmSettings, minutes
@@ -115,6 +116,7 @@ class SlurmBackend:
         self.cfg, self.log, self.s = cfg, log, settings
         self.pool = SessionPool(cfg.connect_timeout)
         self.slurm_id = ""
+        self.stopped: list[Stopped] = []  # the ranks' `stopped` lines in their output
         self.stop_sent = False
         self.detached = False
 
@@ -240,6 +242,11 @@ class SlurmBackend:
                 break
             time.sleep(POLL_S)
         code = jobctl.exit_code(s)
+        world, ranks = {r.world for r in self.stopped}, {r.rank for r in self.stopped}
+        if s.state.startswith("CANCELLED") and len(world) == 1 and len(ranks) in world:
+            # A plain `scancel JOB` (or `stop`): every rank finished its step and saved. Slurm's ExitCode
+            # then says only how the batch script was ended (0:9 when killed with the job), not how it went.
+            code, stopped = exitcodes.SIGTERM, True
         reason = s.line(slurm_id)
         failure = None if code in (0, exitcodes.SIGTERM) else reason
         elapsed = time.monotonic() - t0
@@ -252,7 +259,9 @@ class SlurmBackend:
         for name, (offset, text) in got.items():
             offsets[name] = offset
             host, label = jobctl.label(name)
-            for line in text.splitlines():
+            lines = text.splitlines()
+            self.stopped += parse_stopped(lines)
+            for line in lines:
                 self.log.line(host, label, line)
 
 
