@@ -40,6 +40,9 @@ def molecule_converged(scenario: str, prefix: str, net: str, os_name: str, venv_
     (changed > 0 on both), idempotent (changed=0) and verified; yields (Testbed, molecule's output) and
     destroys them at the end."""
     root_conftest.require_testbed()
+    # --destroy never skips the sequence's first destroy too: an interrupted earlier run's state
+    # ("instances already created", without its inventory) would make this converge nothing.
+    run([str(venv_bin / "molecule"), "destroy", "-s", scenario], tool_env(venv_bin), 300)
     try:
         out = molecule_test(scenario, venv_bin, "--destroy", "never")
         converge = recaps(molecule_step(out, scenario, "converge"))
