@@ -64,8 +64,10 @@ def test_doctor_and_preflight_name_the_bad_gpu_and_pass_the_healthy_node(tmp_pat
         assert [ln for ln in out.splitlines() if ln.startswith("FAIL")] == [
             BAD + " (nvidia-smi -r -i 3) or reboot the node"
         ], out
-        assert re.search(r"^node0\s+8\s+570\.172\.08\s+8/8\s+0/8\s+ok\s+0\s+ok$", out, re.M), out
-        assert re.search(r"^node1\s+8\s+570\.172\.08\s+8/8\s+0/8\s+ok\s+0\s+FAIL \(1\)$", out, re.M), out
+        use = r"0/0 %\s+0\.0/637 GiB"  # idle: what runs on the GPUs already (the recordings: 1 MiB used each)
+        row = r"\s+8\s+570\.172\.08\s+8/8\s+0/8\s+ok\s+0\s+" + use
+        assert re.search(rf"^node0{row}\s+ok$", out, re.M), out
+        assert re.search(rf"^node1{row}\s+FAIL \(1\)$", out, re.M), out
 
         code, out = launch(["doctor", "--hosts", hosts, "--limit", "node0"], tmp_path)
         assert code == 0 and "preflight: all checks passed" in out, out
