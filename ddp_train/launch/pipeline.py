@@ -145,7 +145,7 @@ class SshBackend:
         cfg, log = self.cfg, self.log
         if cfg.prepared:  # launch/jobs/clustermon.py: the controller did all of this before the handoff
             return plan
-        if plan.sync and not self._sync(plan):
+        if plan.sync and not sync_nodes(plan, self.pool, cfg, log):
             raise Refused(exitcodes.NODE_FAILED)
         if cfg.skip_preflight and (why := netif.master_unchecked(plan)):
             log.note(why)
@@ -218,9 +218,6 @@ class SshBackend:
         for e in errors:
             self.log.note(f"cannot copy --config: {e}; nothing was started")
         return not errors
-
-    def _sync(self, plan: JobPlan) -> bool:
-        return sync_nodes(plan, self.pool, self.cfg, self.log)
 
 
 def sync_nodes(plan: JobPlan, pool: SessionPool, cfg: LaunchConfig, log: JobLog) -> bool:

@@ -456,9 +456,10 @@ def weight_bytes(cfg: Any) -> int | None:
     A built-in model's size follows from its own config section and models.py alone: remembered per
     user (`_size_cache`), so a launch does not import torch (~1.2 s of CPU) to learn again what an
     earlier launch learned. A plug-in is built every time. None when the model cannot be built here."""
-    key = None
-    source = importlib.util.find_spec("ddp_train.models")  # found, not imported (that imports torch)
-    if cfg.model.name in ("mlp", "gpt") and source is not None and source.origin:
+    key, source = None, None
+    if cfg.model.name in ("mlp", "gpt"):
+        source = importlib.util.find_spec("ddp_train.models")  # found, not imported (that imports torch)
+    if source is not None and source.origin:
         section = json.dumps(dataclasses.asdict(getattr(cfg.model, cfg.model.name)), sort_keys=True)
         key = f"{cfg.model.name} {section} {file_sha256(source.origin)}"
         cached = _size_cache().get(key)
