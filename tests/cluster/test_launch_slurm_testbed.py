@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -168,40 +168,15 @@ def test_a_synced_user_script_runs_through_sbatch_with_identical_params(cluster,
     assert [c for c in copies if ".tmp-" not in c.name] and not [c for c in copies if ".tmp-" in c.name]
 
 
-def test_stop_job_saves_on_every_rank_and_exits_143(cluster) -> None:
+def stopped_cleanly(cluster, job_id: str, run_dir: str, stop: Callable[[str], None]) -> str:
+    """A slow job started through sbatch, `stop(slurm_id)` once rank 0 steps: the launcher exits 143,
+    every node's rank stopped at the same step, no traceback, rank 0 saved a checkpoint. Its output."""
     tb, root = cluster
-    inv = str(root / "inventory")
-    run = Launcher(
-        ["--backend", "slurm", "--hosts", inv, "--job-id", "sl-stop", "--set", "run.dir=runs-sl-stop", *SLOW],
-        root,
-    )
+    job = ["--backend", "slurm", "--hosts", str(root / "inventory"), "--job-id", job_id]
+    run = Launcher([*job, "--set", f"run.dir={run_dir}", *SLOW], root)
     try:
         run.wait_for(r"\[node0 r0\] .*step \d+/2000", timeout=180)
-        code, out = ddp_launch(["stop", "sl-stop"], root, 180)
-        assert code == 0, out
-        assert run.wait(120) == 143, run.text
-    finally:
-        run.stop()
-    stops = STOPPED.findall(run.text)
-    assert sorted(h for h, _, _ in stops) == ["node0", "node1", "node2"], run.text
-    assert len({step for *_, step in stops}) == 1, run.text
-    assert "scancel --batch --signal=TERM" in run.text and "Traceback" not in run.text
-    assert re.search(r"Slurm job \d+: FAILED .*exit 143", run.text), run.text
-    ckpts = list((root / "work" / "runs-sl-stop").rglob("*.pt"))
-    assert ckpts, "rank 0 saved no checkpoint"
-
-
-def test_a_plain_scancel_is_the_same_clean_stop(cluster) -> None:
-    """The user's own `scancel JOB` (not `ddp-launch stop`): Slurm signals every step process at once;
-    each rank still saves its step and the job ends 143, named, with no traceback."""
-    tb, root = cluster
-    inv = str(root / "inventory")
-    job = ["--backend", "slurm", "--hosts", inv, "--job-id", "sl-scancel", "--set", "run.dir=runs-sl-sc"]
-    run = Launcher([*job, *SLOW], root)
-    try:
-        run.wait_for(r"\[node0 r0\] .*step \d+/2000", timeout=180)
-        slurm_id = re.search(r"submitted Slurm job (\d+)", run.text).group(1)
-        tb.ssh(tb.hosts()[0], f"scancel {slurm_id}")
+        stop(re.search(r"submitted Slurm job (\d+)", run.text).group(1))
         assert run.wait(120) == 143, run.text
     finally:
         run.stop()
@@ -209,8 +184,32 @@ def test_a_plain_scancel_is_the_same_clean_stop(cluster) -> None:
     assert sorted(h for h, _, _ in stops) == ["node0", "node1", "node2"], run.text
     assert len({step for *_, step in stops}) == 1, run.text
     assert "Traceback" not in run.text
-    assert re.search(rf"Slurm job {slurm_id}: CANCELLED", run.text), run.text
-    assert list((root / "work" / "runs-sl-sc").rglob("*.pt")), "rank 0 saved no checkpoint"
+    assert list((root / "work" / run_dir).rglob("*.pt")), "rank 0 saved no checkpoint"
+    return run.text
+
+
+def test_stop_job_saves_on_every_rank_and_exits_143(cluster) -> None:
+    def stop(_slurm_id: str) -> None:
+        code, out = ddp_launch(["stop", "sl-stop"], cluster[1], 180)
+        assert code == 0, out
+
+    text = stopped_cleanly(cluster, "sl-stop", "runs-sl-stop", stop)
+    assert "scancel --batch --signal=TERM" in text
+    assert re.search(r"Slurm job \d+: FAILED .*exit 143", text), text
+
+
+def test_a_plain_scancel_is_the_same_clean_stop(cluster) -> None:
+    """The user's own `scancel JOB` (not `ddp-launch stop`): Slurm signals every step process at once;
+    each rank still saves its step and the job ends 143, named, with no traceback."""
+    tb = cluster[0]
+    slurm_ids: list[str] = []
+
+    def scancel(slurm_id: str) -> None:
+        slurm_ids.append(slurm_id)
+        tb.ssh(tb.hosts()[0], f"scancel {slurm_id}")
+
+    text = stopped_cleanly(cluster, "sl-scancel", "runs-sl-sc", scancel)
+    assert re.search(rf"Slurm job {slurm_ids[0]}: CANCELLED", text), text
 
 
 @pytest.mark.parametrize(
