@@ -25,7 +25,8 @@ that a stop ends as one line and an exit code instead of torchrun's traceback:
   no other user can have created it first or put a symlink in it, issue #24); the ranks' stack dumps
   (DDP_STACK_DIR, ddp_train/stackdump.py) and agent.log go there. It is removed at the end when empty.
 
-Only the standard library is imported before torchrun runs (torch comes with torchrun's script).
+Only the standard library (and ddp_train.console, which needs no more) is imported before torchrun runs
+(torch comes with torchrun's script).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ import sys
 import tempfile
 import threading
 import time
+
+from ddp_train.console import emit_line
 
 ENV_LINE_LIMIT = 1 << 20  # one JSON object, the job's environment
 LIFELINE_ENV = "DDP_LIFELINE_S"  # seconds without a byte from the launcher before the node stops itself
@@ -80,7 +83,7 @@ def main(argv: list[str]) -> int:
         print(f"ddp-agent: error: stdin: {e}", file=sys.stderr)
         return 2
     except _Stopped as e:
-        return _stopped_line(e.signum, started=False)
+        return _report(_stopped_line(e.signum, started=False))
     private = private_dir(env.get("DDP_JOB_ID") or os.environ.get("DDP_JOB_ID", "job"))  # (on the argv)
     if private:
         env[STACK_DIR_ENV] = private  # the ranks' stack dumps, in a directory nobody else can touch
@@ -89,23 +92,35 @@ def main(argv: list[str]) -> int:
     devnull = os.open(os.devnull, os.O_RDONLY)  # workers must not hold the launcher's stdin
     os.dup2(devnull, 0)
     os.close(devnull)
+    ending: tuple[int, str | None] = (1, None)
     try:
-        return _run_torchrun(argv)
+        ending = _run_torchrun(argv)
     finally:
         if lifeline is not None:
-            lifeline.finish()
+            lifeline.finish()  # the relay drains first: the agent's line is the node's last one
         if private:
             _clean(private)
+    return _report(ending)
 
 
-def _run_torchrun(argv: list[str]) -> int:
+def _report(ending: tuple[int, str | None]) -> int:
+    """The agent's last line, if any, in one write(2) (ddp_train/console.py): a worker still writing
+    to the same pipe cannot glue its output onto it (CI: "...; exit 143Traceback (most recent ...")."""
+    code, line = ending
+    if line:
+        emit_line(line, sys.stderr)
+    return code
+
+
+def _run_torchrun(argv: list[str]) -> tuple[int, str | None]:
+    """Run torchrun's script here; (exit code, the line that says how it ended, if it needs one)."""
     torchrun = argv[0]
     sys.argv = list(argv)
     try:
         runpy.run_path(torchrun, run_name="__main__")
     except SystemExit as e:
         code = e.code
-        return code if isinstance(code, int) else (0 if code is None else 1)
+        return (code if isinstance(code, int) else (0 if code is None else 1)), None
     except _Stopped as e:
         return _stopped_line(e.signum, started=False)
     except Exception as e:
@@ -115,10 +130,10 @@ def _run_torchrun(argv: list[str]) -> int:
         if type(e).__name__ != "SignalException" or sigval is None:
             raise
         return _stopped_line(int(sigval), started=True)
-    return 0
+    return 0, None
 
 
-def _failed_line(e: Exception) -> int:
+def _failed_line(e: Exception) -> tuple[int, str]:
     """torchrun's ChildFailedError (a worker exited non-zero) as one line instead of its traceback and
     report block (the worker's own lines above say why); exits with that worker's code, or 128 + the
     signal that killed it. torch 2.13 elastic/multiprocessing/errors/__init__.py: ChildFailedError
@@ -138,8 +153,7 @@ def _failed_line(e: Exception) -> int:
         line = f"ddp-agent: {len(failures)} workers failed; {who}: {how}"
     else:
         line = f"ddp-agent: worker {who} failed first: {how}"
-    print(line, file=sys.stderr, flush=True)
-    return code if code > 0 else (128 - code if code < 0 else 1)
+    return (code if code > 0 else (128 - code if code < 0 else 1)), line
 
 
 def _consequence_class(code: int) -> int:
@@ -272,11 +286,10 @@ class _Lifeline:
         self.relay.join(timeout=5)
 
 
-def _stopped_line(signum: int, started: bool) -> int:
+def _stopped_line(signum: int, started: bool) -> tuple[int, str]:
     name = signal.Signals(signum).name
     what = "torchrun stopped its workers (each saves first)" if started else "stopped before torchrun started"
-    print(f"ddp-agent: {name}: {what}; exit {128 + signum}", flush=True)
-    return 128 + signum
+    return 128 + signum, f"ddp-agent: {name}: {what}; exit {128 + signum}"
 
 
 if __name__ == "__main__":

@@ -138,11 +138,11 @@ def test_first_error_of_a_consequence_names_the_failed_rank_or_the_watchdog(tmp_
 
 def test_agent_reports_a_failed_worker_in_one_line_with_its_exit_code(capsys: pytest.CaptureFixture) -> None:
     failure = ProcessFailure(local_rank=0, pid=123, exitcode=2, error_file="<N/A>")
-    assert agent._failed_line(ChildFailedError("ddp_train", {3: failure})) == 2
+    assert agent._report(agent._failed_line(ChildFailedError("ddp_train", {3: failure}))) == 2
     assert capsys.readouterr().err == "ddp-agent: worker rank 3 (local rank 0) failed first: exit code 2\n"
     killed = ProcessFailure(local_rank=1, pid=124, exitcode=-9, error_file="<N/A>")
-    assert agent._failed_line(ChildFailedError("ddp_train", {1: killed})) == 137
-    assert "Signal 9 (SIGKILL) received by PID 124" in capsys.readouterr().err
+    code, line = agent._failed_line(ChildFailedError("ddp_train", {1: killed}))
+    assert code == 137 and "Signal 9 (SIGKILL) received by PID 124" in line
 
 
 def test_storage_error_finds_the_disk_error_behind_torch_saves_runtime_error(tmp_path: Path) -> None:
@@ -300,19 +300,19 @@ def test_a_ranks_own_failure_is_no_consequence_even_when_it_mentions_a_peer_or_a
     assert trainer.consequence(backend, 15).startswith("SIGTERM received during a collective, then it failed")
 
 
-def test_agent_names_the_worker_that_failed_on_its_own_when_several_fail_in_the_same_second(
-    capsys: pytest.CaptureFixture,
-) -> None:
+def test_agent_names_the_worker_that_failed_on_its_own_when_several_fail_in_the_same_second() -> None:
     # review #5: rank 1 exits 2 (bad token file), rank 0 exits 1 as its consequence: the node exits 2
     bad = ProcessFailure(local_rank=1, pid=124, exitcode=2, error_file="<N/A>")
     victim = ProcessFailure(local_rank=0, pid=123, exitcode=1, error_file="<N/A>")
     victim.timestamp = bad.timestamp = 1_700_000_000  # int(time.time()) at detection: a tie
-    assert agent._failed_line(ChildFailedError("ddp_train", {0: victim, 1: bad})) == 2
-    assert capsys.readouterr().err == "ddp-agent: 2 workers failed; rank 1 (local rank 1): exit code 2\n"
+    assert agent._failed_line(ChildFailedError("ddp_train", {0: victim, 1: bad})) == (
+        2, "ddp-agent: 2 workers failed; rank 1 (local rank 1): exit code 2"
+    )  # fmt: skip
     stopped = ProcessFailure(local_rank=2, pid=125, exitcode=143, error_file="<N/A>")
     stopped.timestamp = victim.timestamp - 1
-    assert agent._failed_line(ChildFailedError("ddp_train", {2: stopped, 0: victim})) == 1
-    assert capsys.readouterr().err == "ddp-agent: 2 workers failed; rank 0 (local rank 0): exit code 1\n"
+    assert agent._failed_line(ChildFailedError("ddp_train", {2: stopped, 0: victim})) == (
+        1, "ddp-agent: 2 workers failed; rank 0 (local rank 0): exit code 1"
+    )  # fmt: skip
 
 
 def test_traceback_bodies_stay_hidden_when_other_ranks_lines_interleave(tmp_path: Path) -> None:

@@ -212,6 +212,38 @@ def test_a_heartbeat_keeps_the_agent_running(tmp_path: Path) -> None:
     assert proc.returncode == 143
 
 
+LATE_WRITER_TORCHRUN = """
+import subprocess, sys
+class SignalException(Exception):  # torch.distributed.elastic's, as the agent recognises it by name
+    sigval = 15
+late = "import sys, time; time.sleep(0.5); sys.stderr.write(f'Traceback (most recent call last):{chr(10)}')"
+subprocess.Popen([sys.executable, "-c", late])  # a worker still writing after torchrun returned
+raise SignalException()
+"""
+
+
+def test_the_agents_own_last_line_is_whole_and_last(tmp_path: Path) -> None:
+    # CI (stop 37): "ddp-agent: SIGTERM: ...; exit 143Traceback (most recent call last):", a worker's
+    # traceback glued onto the agent's line, which the console's traceback filter then let through
+    script = tmp_path / "torchrun"
+    script.write_text(LATE_WRITER_TORCHRUN)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddp_train.agent", str(script)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env=dict(os.environ, TMPDIR=str(tmp_path)),
+    )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write((json.dumps({"DDP_LIFELINE_S": "30", "DDP_JOB_ID": "ll"}) + "\n").encode())
+    proc.stdin.flush()  # and kept open: the launcher is there all along
+    lines = proc.stdout.read().decode().splitlines()
+    proc.wait(timeout=60)
+    proc.stdin.close()
+    proc.stdout.close()
+    assert proc.returncode == 143, lines
+    assert lines[-1] == "ddp-agent: SIGTERM: torchrun stopped its workers (each saves first); exit 143", lines
+    assert "Traceback (most recent call last):" in lines, lines
+
+
 def test_metrics_render_a_png_or_say_how_to_get_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from ddp_train.launch.jobs import metricsview
 
