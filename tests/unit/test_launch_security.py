@@ -349,3 +349,43 @@ def test_the_agent_gives_its_ranks_a_private_stack_directory_and_removes_it(tmp_
     assert Path(directory).parent == tmp_path and Path(directory).name.startswith("ddp-agent-sec-agent-")
     assert (dir_mode, uid) == (0o700, os.geteuid())
     assert not Path(directory).exists()  # removed at the end, the dead rank's dump with it
+
+
+def test_the_leftover_scan_removes_a_killed_agents_empty_private_directory_only(
+    tmp_path: Path, unprivileged_user: str
+) -> None:
+    """A SIGKILLed agent cannot remove its 0700 directory under $TMPDIR: the scan that finds nothing of
+    the job left removes it if empty and this user's; never one with an agent.log, another job's (job
+    "j" vs "j-b"), a symlink, another user's, or anything while a process of the job runs."""
+    from ddp_train.launch.run.nodecontrol import SIGNAL_SCRIPT
+
+    job = f"sec-dir-{secrets.token_hex(2)}"
+    made = {name: tmp_path / f"ddp-agent-{name}-{secrets.token_hex(4)}" for name in (job, f"{job}-b")}
+    for d in made.values():
+        d.mkdir(mode=0o700)
+    kept_log = tmp_path / f"ddp-agent-{job}-{secrets.token_hex(4)}"
+    kept_log.mkdir(mode=0o700)
+    (kept_log / "agent.log").write_text("lost the launcher\n")
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (tmp_path / f"ddp-agent-{job}-link0000").symlink_to(target)
+    theirs = tmp_path / f"ddp-agent-{job}-theirs00"
+    theirs.mkdir()
+    shutil.chown(theirs, unprivileged_user, unprivileged_user)
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+
+    def scan() -> str:
+        return subprocess.run(["sh", "-c", SIGNAL_SCRIPT, "ddp-launch", "-", "0", job, "all"],
+                              capture_output=True, text=True, timeout=30, env=env).stdout  # fmt: skip
+
+    running = subprocess.Popen(["sleep", "60"], env=dict(env, DDP_JOB_ID=job))
+    try:
+        time.sleep(0.2)
+        assert f"JOBPROC {running.pid} " in scan()
+        assert made[job].is_dir()  # the job still runs: its directory is in use
+    finally:
+        running.kill()
+        running.wait()
+    assert scan() == ""
+    assert not made[job].exists()
+    assert made[f"{job}-b"].is_dir() and kept_log.is_dir() and target.is_dir() and theirs.is_dir()

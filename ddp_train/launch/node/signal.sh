@@ -18,11 +18,22 @@ if [ "$sig" != - ] && leader "$pgid"; then
   else kill -s "$sig" -- "-$pgid" 2>/dev/null; fi
 fi
 me=$(readlink /proc/self/ns/net)
+found=
 for f in $(grep -lxzsF -- "DDP_JOB_ID=$id" /proc/[0-9]*/environ 2>/dev/null); do
   p=${f#/proc/}; p=${p%/environ}
   [ "$(readlink "/proc/$p/ns/net" 2>/dev/null)" = "$me" ] || continue
   mine "$p" || continue
   if [ "$sig" != - ] && [ "$scope" != leader ]; then kill -s "$sig" "$p" 2>/dev/null; fi
   echo "JOBPROC $p $(tr '\0' ' ' < "/proc/$p/cmdline" 2>/dev/null | cut -c1-160)"
+  found=1
 done
+# Listing, and nothing of the job left: the private directories its killed agents could not remove
+# (ddp_train/agent.py private_dir), if this user's and empty (one with an agent.log stays for whoever
+# looks). mkdtemp's suffix is 8 characters (CPython Lib/tempfile.py _RandomNameSequence), so job "a"
+# never matches job "a-b"'s directories.
+if [ "$sig" = - ] && [ -z "$found" ]; then
+  for d in "${TMPDIR:-/tmp}/ddp-agent-$id-"????????; do
+    [ -d "$d" ] && [ ! -L "$d" ] && [ -O "$d" ] && rmdir -- "$d" 2>/dev/null
+  done
+fi
 exit 0
