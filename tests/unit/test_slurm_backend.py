@@ -360,3 +360,61 @@ def test_sync_needs_one_workdir_path_on_every_node_and_submits_nothing_otherwise
         and "same ddp_workdir" in notes[0]
         and "nothing was submitted" in notes[0]
     )
+
+
+FAKE_SRUN = """#!{python}
+# srun --label over N tasks on this machine: task i runs the command with SLURM_NODEID=i and the same
+# stdin, as a host of its own name and address; task 1's probe record is changed as `rewrite` says
+# (another node's torch), or dropped
+import json, os, subprocess, sys
+args = sys.argv[1:]
+n = int(next(a for a in args if a.startswith("--ntasks=")).split("=")[1])
+cmd = args[next(i for i, a in enumerate(args) if not a.startswith("--")):]
+data = sys.stdin.buffer.read()
+rewrite = json.loads({rewrite!r})
+for i in range(n):
+    out = subprocess.run(cmd, input=data, capture_output=True, env=dict(os.environ, SLURM_NODEID=str(i)))
+    for line in out.stdout.decode().splitlines():
+        if line.startswith("DDP-PROBE "):
+            if i == 1 and rewrite == "drop":
+                continue
+            facts = json.loads(line[len("DDP-PROBE "):])
+            facts.update(hostname=f"host{{i}}", hostname_ips=[f"10.9.0.{{i + 1}}"])
+            facts.update(rewrite if i == 1 and isinstance(rewrite, dict) else {{}})
+            line = "DDP-PROBE " + json.dumps(facts)
+        print(f"{{i}}: {{line}}")
+"""
+
+
+@pytest.mark.parametrize(
+    ("rewrite", "failed"),
+    [
+        (None, None),
+        ({"torch": "2.12.0"}, r"node-b: torch 2\.12\.0 differs from 2\.13\.\S+ on node-a, node-c"),
+        ("drop", r"node-b: \S+/bin/python failed: "),
+    ],
+)
+def test_the_in_job_preflight_checks_every_allocated_node_through_srun(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rewrite: object, failed: str | None
+) -> None:
+    """#28: inside the allocation, before training, the SSH preflight's node checks over an srun step's
+    probes (here a fake srun running three tasks on this machine)."""
+    import re
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    srun = bin_dir / "srun"
+    srun.write_text(FAKE_SRUN.format(python=sys.executable, rewrite=json.dumps(rewrite)))
+    srun.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin")
+    job = {"venv": sys.prefix, "workdir": str(tmp_path), "port": 29500, "argv": ["torchrun"],
+           "env": {"DDP_JOB_ID": "pf", "OMP_NUM_THREADS": "1"}, "gpu_health": "strict"}  # fmt: skip
+    said: list[str] = []
+    ok = driver.preflight(job, ["node-a", "node-b", "node-c"], json.dumps(job) + "\n", said.append)
+    text = "\n".join(said)
+    assert ok is (failed is None), text
+    if failed is None:
+        assert said[-1] == "ddp-slurm: preflight ok on 3 nodes (in the allocation)", text
+    else:
+        assert re.search(rf"^ddp-slurm: preflight failed: {failed}", text, re.M), text
+        assert "node-a:" not in text.split("preflight failed:", 1)[1].split("\n")[0], text

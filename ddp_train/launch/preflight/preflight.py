@@ -45,12 +45,7 @@ def run_preflight(
     `sessions`: connections already open (by --sync), reused instead of opening new ones."""
     checks = [NodeCheck(p, session=(sessions or {}).get(p.node.name)) for p in plan.nodes]
     parallel(lambda c: _probe(c, connect_timeout), checks)
-    _compare_versions(checks)
-    _compare_patch_level(checks)
-    for c in checks:
-        _check_node_facts(c, plan)
-        if c.facts:
-            gpuhealth.check(c)
+    judge_probed(checks, hostnames=not plan.all_local)
     netif.check(plan, checks)
     plan = netif.with_master(plan, {c.plan.node.name: netif.chosen(c.facts) for c in checks})
     rdma.check_cluster(checks)
@@ -84,7 +79,6 @@ def _probe(c: NodeCheck, connect_timeout: float) -> None:
     except RemoteError as e:
         c.fail(f"ssh: {str(e).split(': ', 1)[-1]}")
         return
-    python = f"{node.venv.rstrip('/')}/bin/python"
     try:
         gpu_args = gpuhealth.probe_args(node.gpu_health, node.gpu_health_dcgm)
         netif_args = netif.probe_argv(node.network_cidr)
@@ -96,6 +90,13 @@ def _probe(c: NodeCheck, connect_timeout: float) -> None:
     except RemoteError as e:
         c.fail(f"probe failed: {str(e).split(': ', 1)[-1]}")
         return
+    read_probe(c, code, out)
+
+
+def read_probe(c: NodeCheck, code: int, out: str) -> None:
+    """The probe's output (launch/node/probe.py) as c.facts, or c's failure saying what came instead."""
+    node = c.plan.node
+    python = f"{node.venv.rstrip('/')}/bin/python"
     try:
         found = marked_json(out, PROBE_MARK)
     except ValueError:
@@ -116,7 +117,20 @@ def _probe(c: NodeCheck, connect_timeout: float) -> None:
         c.warnings.append(f"probe exited {code}")
 
 
-def _check_node_facts(c: NodeCheck, plan: JobPlan) -> None:
+def judge_probed(checks: list[NodeCheck], hostnames: bool = True) -> None:
+    """The checks that need only each node's probe facts: versions equal on every node, torch and the
+    trainer importable, torchrun and setsid there, GPU counts and health; `hostnames`: the node's name
+    must not resolve to a loopback address (skipped when every node is this machine). The Slurm
+    driver's in-job preflight runs these too (launch/slurm/driver.py)."""
+    _compare_versions(checks)
+    _compare_patch_level(checks)
+    for c in checks:
+        _check_node_facts(c, hostnames)
+        if c.facts:
+            gpuhealth.check(c)
+
+
+def _check_node_facts(c: NodeCheck, hostnames: bool) -> None:
     f, node = c.facts, c.plan.node
     if not f:
         return
@@ -133,7 +147,7 @@ def _check_node_facts(c: NodeCheck, plan: JobPlan) -> None:
         c.fail("setsid not found (install util-linux); the launcher needs it to stop the job cleanly")
     if not f.get("workdir_ok"):
         c.fail(f"ddp_workdir {node.workdir} does not exist")
-    if not plan.all_local:
+    if hostnames:
         _check_hostname(c)
     gpus, nproc = f.get("gpus") or 0, c.plan.nproc
     if gpus and nproc.isdigit() and int(nproc) > gpus:

@@ -43,6 +43,8 @@ DRIVER_LOG = "driver.log"  # the driver's own lines (and srun's), beside the nod
 LABEL = re.compile(r"^\s*(\d+): ?(.*)$")  # srun --label: "<task id>: line"
 STOP_DELAY_S = 1.0  # a stop line waits this long for Slurm's own SIGTERM of the same scancel
 PORT_SPAN = 64  # MASTER_PORT: the first of ddp_master_port .. +63 that binds
+PROBE_TIMEOUT_S = 180  # the in-job preflight step: the probe allows itself 120 s (launch/node/probe.py)
+DRIVER = "ddp_train.launch.slurm.driver"
 
 
 def log_dir(workdir: str | None, slurm_job: str) -> str:
@@ -138,21 +140,10 @@ def main(blob: str) -> int:
     )
     line = json.dumps({**job, "master_addr": addr, "master_port": port, "nnodes": len(hosts)}) + "\n"
     python = f"{job['venv'].rstrip('/')}/bin/python"
-    argv = [
-        "srun",
-        f"--nodes={len(hosts)}",
-        f"--ntasks={len(hosts)}",
-        "--ntasks-per-node=1",
-        "--kill-on-bad-exit=1",
-        "--wait=60",
-        "--label",
-        python,
-        "-m",
-        "ddp_train.launch.slurm.driver",
-        "--node",
-    ]
-    if os.environ.get("SLURM_CPUS_PER_TASK"):  # 22.05 srun no longer reads it (RELEASE_NOTES 22.05)
-        argv.insert(1, f"--cpus-per-task={os.environ['SLURM_CPUS_PER_TASK']}")
+    if job.get("preflight", True) and not preflight(job, hosts, line, say):
+        say(f"ddp-slurm: job {slurm_job}: preflight failed on the allocation; nothing was started")
+        return 3
+    argv = [*_step(len(hosts)), "--kill-on-bad-exit=1", "--wait=60", python, "-m", DRIVER, "--node"]
     srun = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert srun.stdin is not None and srun.stdout is not None
     srun.stdin.write(line.encode())
@@ -178,6 +169,63 @@ def main(blob: str) -> int:
             "newest checkpoint"
         )
     return code
+
+
+def preflight(job: Mapping[str, Any], hosts: Sequence[str], line: str, say: Callable[[str], None]) -> bool:
+    """Inside the allocation, before training: the SSH preflight's node checks (preflight.judge_probed:
+    versions equal on every node, torch and the trainer importable, torchrun there, hostnames not on
+    loopback, GPU counts and health) over every node's probe, run as one srun step, since compute nodes
+    may refuse SSH outside a job (pam_slurm_adopt). One line per failure; False when any failed."""
+    from ddp_train.launch.plan.inventory import Node
+    from ddp_train.launch.plan.plan import NodePlan
+    from ddp_train.launch.preflight.preflight import judge_probed, read_probe
+    from ddp_train.launch.preflight.preflight_model import NodeCheck
+
+    python = f"{job['venv'].rstrip('/')}/bin/python"
+    argv = [*_step(len(hosts)), "--wait=60", python, "-m", DRIVER, "--probe"]
+    try:
+        out, both = subprocess.PIPE, subprocess.STDOUT
+        res = subprocess.run(argv, input=line.encode(), stdout=out, stderr=both, timeout=PROBE_TIMEOUT_S)
+        output = res.stdout.decode("utf-8", "replace")
+    except subprocess.TimeoutExpired as e:
+        output = (e.stdout or b"").decode("utf-8", "replace")
+        say(f"ddp-slurm: preflight: the probe step did not end within {PROBE_TIMEOUT_S}s")
+    per_task: dict[int, list[str]] = {i: [] for i in range(len(hosts))}
+    for text in output.splitlines():
+        m = LABEL.match(text)
+        if m and int(m.group(1)) in per_task:
+            per_task[int(m.group(1))].append(m.group(2))
+        elif text.strip():
+            say(text)  # srun's own lines
+    checks = []
+    for i, host in enumerate(hosts):
+        node = Node(
+            name=host, address=host, local=False, ssh=None, venv=job["venv"], workdir=job.get("workdir"),
+            nproc="auto", master_port=int(job["port"]), env={},
+            gpu_health=job.get("gpu_health", "strict"), gpu_health_dcgm=bool(job.get("gpu_health_dcgm")),
+        )  # fmt: skip
+        c = NodeCheck(NodePlan(node=node, rank=i, env=job["env"], argv=tuple(job["argv"]), config_path=None))
+        lines = per_task[i]
+        read_probe(c, 0 if lines else 1, "\n".join(lines) or "no output from its srun task")
+        checks.append(c)
+    judge_probed(checks)
+    for c in checks:
+        for w in c.warnings:
+            say(f"ddp-slurm: preflight: {c.name}: warning: {w}")
+    failed = [f"{c.name}: {m}" for c in checks for m in c.failures]
+    for f in failed:
+        say(f"ddp-slurm: preflight failed: {f}")
+    if not failed:
+        say(f"ddp-slurm: preflight ok on {len(hosts)} nodes (in the allocation)")
+    return not failed
+
+
+def _step(n: int) -> list[str]:
+    """srun's options for a step of one task per node over the whole allocation."""
+    argv = ["srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", "--label"]
+    if os.environ.get("SLURM_CPUS_PER_TASK"):  # 22.05 srun no longer reads it (RELEASE_NOTES 22.05)
+        argv.insert(1, f"--cpus-per-task={os.environ['SLURM_CPUS_PER_TASK']}")
+    return argv
 
 
 class _Stop:
@@ -321,7 +369,23 @@ def _write_config(path: str, text: str, workdir: str | None) -> None:
         f.write(text)
 
 
+def probe_main() -> int:
+    """The in-job preflight's task on every node: the SSH preflight's probe, with the job's environment
+    (less its id and secrets: launch/preflight/preflight.py probe_env) and its GPU health options."""
+    from ddp_train.launch.node import probe
+    from ddp_train.launch.plan.plan import is_secret
+    from ddp_train.launch.preflight import gpuhealth
+
+    job: dict[str, Any] = json.loads(_read_line())
+    env = {k: v for k, v in job["env"].items() if k != "DDP_JOB_ID" and not is_secret(k, v)}
+    os.environ.update(env)
+    gpu = gpuhealth.probe_args(job.get("gpu_health", "strict"), bool(job.get("gpu_health_dcgm")))
+    return probe.main([job["venv"], job.get("workdir") or "", *gpu])
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--node"]:
         node_main()
-    sys.exit(f"usage: {sys.argv[0]} --node (what the driver's srun runs)")
+    if sys.argv[1:] == ["--probe"]:
+        sys.exit(probe_main())
+    sys.exit(f"usage: {sys.argv[0]} --node | --probe (what the driver's srun runs)")

@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 POLL_S = 1.0
 
 
-def batch_script(plan: JobPlan, s: SlurmSettings) -> str:
-    """The script sbatch gets: #SBATCH lines, then the driver with the job as base64 JSON."""
+def batch_script(plan: JobPlan, s: SlurmSettings, preflight: bool = True) -> str:
+    """The script sbatch gets: #SBATCH lines, then the driver with the job as base64 JSON.
+    `preflight`: the driver checks the allocated nodes before training (--skip-preflight: not)."""
     p = plan.nodes[0]
     config = None
     if plan.config and p.config_path:
@@ -54,6 +55,9 @@ def batch_script(plan: JobPlan, s: SlurmSettings) -> str:
         "workdir": p.cwd,
         "config": config,
         "max_requeues": s.max_requeues,
+        "preflight": preflight,
+        "gpu_health": p.node.gpu_health,
+        "gpu_health_dcgm": p.node.gpu_health_dcgm,
     }
     blob = base64.b64encode(json.dumps(job).encode()).decode()
     lines = [f"#!{p.node.venv.rstrip('/')}/bin/python"]
@@ -158,7 +162,8 @@ class SlurmBackend:
             if problems:
                 log.note("nothing was submitted (fix the lines above, or --skip-preflight)")
                 raise Refused(exitcodes.PREFLIGHT)
-            rc, out = session.exec("sbatch --parsable", 60, stdin=batch_script(plan, self.s).encode())
+            script = batch_script(plan, self.s, preflight=not self.cfg.skip_preflight)
+            rc, out = session.exec("sbatch --parsable", 60, stdin=script.encode())
         except RemoteError as e:
             log.note(f"preflight failed: Slurm is not reachable: {e}; nothing was submitted")
             raise Refused(exitcodes.PREFLIGHT) from None
