@@ -74,3 +74,53 @@ def test_doctor_and_preflight_name_the_bad_gpu_and_pass_the_healthy_node(tmp_pat
 
         code, out = launch(["--hosts", hosts, "--job-id", "gph-pre"], tmp_path)
         assert code == 3 and BAD in out and "nothing was started" in out, out
+
+
+def _recording(src: Path, dst: Path, util: list[int], used_mib: int) -> Path:
+    """The H100 x8 recording with these GPU utilizations (%) and memory used per GPU (MiB)."""
+    shutil.copytree(src, dst)
+    csv = dst / "query-gpu.csv"
+    rows = [r.split(", ") for r in csv.read_text().splitlines()]
+    head = rows[0]
+    for row, u in zip(rows[1:], util):
+        row[head.index("utilization.gpu")] = str(u)
+        row[head.index("memory.used")] = str(used_mib)
+    csv.write_text("\n".join(", ".join(r) for r in rows) + "\n")
+    return dst
+
+
+def test_status_shows_each_nodes_gpu_use_and_flags_the_idle_node(tmp_path: Path) -> None:
+    """#29 on three testbed hosts, each with a fake nvidia-smi of its own: node0 busy, node1 busy but
+    for one GPU, node2's eight GPUs idle. While the job runs, `ddp-launch status JOB` shows each node's
+    GPU count, mean/min utilization, memory used, its least busy GPU, and flags node2 as starving."""
+    from tests.cluster.test_launch_testbed import SLOW, Launcher
+
+    recs = [
+        _recording(FIXTURES / "h100x8", tmp_path / "rec0", [97, 95, 96, 98, 94, 97, 95, 96], 40960),
+        _recording(FIXTURES / "h100x8", tmp_path / "rec1", [91, 92, 90, 93, 91, 35, 92, 90], 40960),
+        _recording(FIXTURES / "h100x8", tmp_path / "rec2", [0] * 8, 1),
+    ]
+    fake = FIXTURES / "fake"
+    with private_testbed("gph", "10.213.113", 3, usr_local=True) as tb:
+        for host, rec in zip(tb.hosts(), recs):
+            tb.exec(
+                host,
+                f"mkdir -p /etc/ddp-fake-gpu /usr/local/bin && "
+                f"cp {shlex.quote(str(rec))}/* /etc/ddp-fake-gpu/ && "
+                f"install -m 0755 {shlex.quote(str(fake / 'nvidia-smi'))} /usr/local/bin/nvidia-smi",
+            )
+        inv = yaml.safe_load(tb.inventory.read_text())
+        inv["all"]["vars"].update(ddp_venv=sys.prefix, ddp_workdir=str(tmp_path))
+        (tmp_path / "hosts.yml").write_text(yaml.safe_dump(inv))
+        job = ["--hosts", str(tmp_path / "hosts.yml"), "--job-id", "gph-use", "--set", "run.dir=runs"]
+        run = Launcher([*job, *SLOW], tmp_path)
+        try:
+            run.wait_for(r"\[node0 r0\] .*step \d+/2000", timeout=180)
+            code, out = launch(["status", "gph-use"], tmp_path)
+        finally:
+            run.stop()
+    assert code == 0, out
+    assert re.search(r"^HOST\s+GPUS\s+UTIL MEAN/MIN\s+MEM USED\s+LEAST BUSY\s+NOTE$", out, re.M), out
+    assert re.search(r"^node0\s+8\s+96/94 %\s+320\.0/637 GiB\s+GPU 4 94 %\s+-$", out, re.M), out
+    assert re.search(r"^node1\s+8\s+84/35 %\s+320\.0/637 GiB\s+GPU 5 35 %\s+-$", out, re.M), out
+    assert re.search(r"^node2\s+8\s+0/0 %\s+0\.0/637 GiB\s+GPU 0 0 %\s+STARVING \(< 20 %\)$", out, re.M), out
