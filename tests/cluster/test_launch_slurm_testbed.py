@@ -6,9 +6,12 @@ run's directory are the same path on every node (the run's checkpoints are on "s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -237,6 +240,29 @@ def test_preflight_refuses_and_submits_nothing(cluster, args: list[str], line: s
     assert queue.strip() == "", queue
 
 
+def test_the_in_job_preflight_refuses_a_node_whose_name_resolves_to_loopback(cluster) -> None:
+    """Compute nodes may refuse SSH outside a job (pam_slurm_adopt): the node checks run inside the
+    allocation as an srun step. node2's own name on 127.0.1.1 (Debian's installer line) stops the job
+    before any rank starts, in one line naming node2, exit 3."""
+    tb, root = cluster
+    node2 = tb.hosts()[2]
+    before = tb.exec(node2, "cat /etc/hosts").stdout
+    name = tb.exec(node2, "hostname").stdout.strip()
+    tb.exec(node2, f"printf '%s\\n' {shlex.quote(f'127.0.1.1 {name}')} | cat - /etc/hosts > /etc/hosts.new")
+    tb.exec(node2, "cat /etc/hosts.new > /etc/hosts && rm /etc/hosts.new")
+    try:
+        inv = str(root / "inventory")
+        code, out = ddp_launch(
+            ["--backend", "slurm", "--hosts", inv, "--job-id", "sl-pf", "--time", "5"], root
+        )
+    finally:
+        tb.exec(node2, f"printf '%s' {shlex.quote(before)} > /etc/hosts")
+    assert code == 3, out
+    assert re.search(rf"preflight failed: node2: hostname '{name}' resolves to 127\.0\.1\.1", out), out
+    assert not re.search(r"preflight failed: node[01]", out), out
+    assert "ddp-train" not in out and "torchrun" not in out, out
+
+
 def test_usr1_before_the_time_limit_with_requeue_saves_requeues_and_resumes(cluster) -> None:
     """What --signal=B:USR1@lead does before the time limit, sent at once with `scancel --batch
     --signal=USR1` (as the time limit would, up to a minute early: sbatch(1) --signal)."""
@@ -265,3 +291,69 @@ def test_usr1_before_the_time_limit_with_requeue_saves_requeues_and_resumes(clus
     ]
     assert len({sha for *_, sha in finals}) == 1
     assert re.findall(rf"Slurm job {slurm_id}: (\w+)", run.text)[-1] == "COMPLETED", run.text
+
+
+def test_the_real_time_limit_stops_saves_and_the_requeued_job_resumes(cluster) -> None:
+    """No signal by hand: `--time 2` with slurm_signal_lead_s=10 renders --signal=B:USR1@10, and Slurm
+    itself signals the batch script 10 s before the limit, or up to 60 s earlier (sbatch(1) --signal):
+    50-110 s into the allocation. Every rank saves, the job is requeued and resumes from that step;
+    `ddp-launch stop` then ends it (143), never killed by the limit (TIMEOUT)."""
+    tb, root = cluster
+    inv = str(root / "inventory")
+    job = ["--backend", "slurm", "--hosts", inv, "--job-id", "sl-tl", "--time", "2", "--requeue"]
+    limit = ["-e", "slurm_signal_lead_s=10", "--max-requeues", "1"]
+    slow = ["--set", "train.max_steps=2000", "--set", "debug.step_delay_s=0.5"]
+    run = Launcher([*job, *limit, "--set", "run.dir=runs-sl-tl", *slow], root)
+    try:
+        run.wait_for(r"requeued \(1/1\)", timeout=240)
+        run.wait_for(r"\[node0 r0\] .*resumed from \S+ at step \d+\b", timeout=180)
+        resumed = re.search(r"\[node0 r0\] .*resumed from \S+ at step (\d+)\b", run.text)
+        after = int(resumed.group(1)) // 10 * 10 + 10  # the next step line (log.interval_steps: 10)
+        run.wait_for(rf"\[node0 r0\] .*INFO step {after}/2000", timeout=120)
+        code, out = ddp_launch(["stop", "sl-tl"], root, 180)
+        assert code == 0, out
+        code = run.wait(180)
+    finally:
+        run.stop()
+    assert code == 143, run.text
+    first_stop = run.text.split("requeued (1/1)", 1)[0]
+    assert "ddp-slurm: got SIGUSR1" in first_stop and "got SIGTERM" not in first_stop, run.text
+    stops = STOPPED.findall(first_stop)
+    assert sorted(h for h, _, _ in stops) == ["node0", "node1", "node2"], run.text
+    assert len({step for *_, step in stops}) == 1 and resumed.group(1) == stops[0][2], run.text
+    slurm_id = re.search(r"submitted Slurm job (\d+)", run.text).group(1)
+    assert "TIMEOUT" not in re.findall(rf"Slurm job {slurm_id}: (\w+)", run.text), run.text
+
+
+def test_a_node_whose_slurmd_dies_fails_the_job_fast_and_named(cluster) -> None:
+    """node2 crashes mid-job: its slurmd, slurmstepd and the job's processes are SIGKILLed at once (its
+    sshd and munged stay, so the test can bring the node back). The job fails in about srun's --wait
+    (60 s), naming node2, instead of waiting for slurmctld's SlurmdTimeout (300 s) with the job
+    COMPLETING. Last in this module; node2 is resumed at the end."""
+    tb, root = cluster
+    node2 = tb.hosts()[2]
+    job = ["--backend", "slurm", "--hosts", str(root / "inventory"), "--job-id", "sl-dead", "--time", "10"]
+    run = Launcher([*job, "--set", "run.dir=runs-sl-dead", *SLOW], root)
+    try:
+        run.wait_for(r"\[node0 r0\] .*step \d+/2000", timeout=180)
+        victims = [p for p in tb.pids(node2) if _comm(p) not in ("sshd", "munged", "")]
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        code = run.wait(240)
+        took = time.monotonic() - t0
+    finally:
+        run.stop()
+        tb.exec(node2, "/usr/sbin/slurmd", check=False)
+        tb.ssh(tb.hosts()[0], "scontrol update nodename=node2 state=resume", check=False)
+    assert code == 1 and took < 120, (took, run.text)
+    named = "node2 did not end with the other nodes (srun gave it 60 s): the node, its slurmd or its"
+    assert re.search(rf"^ddp-launch: Slurm job \d+ FAILED: {re.escape(named)}", run.text, re.M), run.text
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""

@@ -97,6 +97,13 @@ def test_flags_win_over_inventory_variables(tmp_path: Path) -> None:
         settings.load(opts(slurm_time="soon"), [inv], [])
     with pytest.raises(LaunchError, match="--nodes / slurm_nodes 0"):
         settings.load(opts(slurm_nodes=0), [inv], [])
+    # a time limit shorter than the signal's lead and Slurm's up to 60 s: USR1 would come at once
+    with pytest.raises(
+        LaunchError, match=r"^--time 3: the time limit's USR1 comes slurm_signal_lead_s=120 s"
+    ):
+        settings.load(opts(slurm_time="3"), [inv], [])
+    assert settings.load(opts(slurm_time="4"), [inv], []).time == "4"
+    assert settings.load(opts(slurm_time="2"), [inv], ["slurm_signal_lead_s=10"]).time == "2"
 
 
 def test_the_batch_script_is_python_and_carries_no_value_in_its_options(tmp_path: Path) -> None:
@@ -418,3 +425,36 @@ def test_the_in_job_preflight_checks_every_allocated_node_through_srun(
     else:
         assert re.search(rf"^ddp-slurm: preflight failed: {failed}", text, re.M), text
         assert "node-a:" not in text.split("preflight failed:", 1)[1].split("\n")[0], text
+
+
+def test_the_driver_names_the_tasks_srun_still_saw_running_after_its_wait() -> None:
+    # srun 22.05's lines when node2's slurmstepd was killed and the others exited (testbed, #28)
+    lines = [
+        "srun: error: node0: task 0: Exited with exit code 1",
+        "srun: First task exited 60s ago",
+        "srun: StepId=5.1 task 2: running",
+        "srun: StepId=5.1 tasks 0-1: exited abnormally",
+    ]
+    assert driver.stragglers(lines) == [2]
+    assert driver.stragglers(["srun: StepId=9.0 tasks 1,3-4: running"]) == [1, 3, 4]
+    assert driver.stragglers(lines[:2]) == []
+    line = "ddp-slurm: job 5: node2 did not end with the other nodes (srun gave it 60 s): the node, ..."
+    assert driver.GONE.match(line) and driver.DONE.match("ddp-slurm: job 5: done, exit 1")[1] == "1"
+
+
+def test_a_stop_caught_before_the_training_step_is_sent_to_it_once_attached() -> None:
+    said: list[str] = []
+    stop = driver._Stop(said.append)
+    stop.handle(10, None)  # SIGUSR1 from the batch script's prologue (a time limit's signal came at once)
+    assert stop.signum == 10 and said[0].startswith("ddp-slurm: got SIGUSR1: ")
+    sent: list[bytes] = []
+
+    class Stdin:
+        def write(self, data: bytes) -> None:
+            sent.append(data)
+
+        def flush(self) -> None:
+            pass
+
+    stop.attach(Stdin())  # type: ignore[arg-type]
+    assert sent == [driver.STOP]

@@ -45,6 +45,12 @@ STOP_DELAY_S = 1.0  # a stop line waits this long for Slurm's own SIGTERM of the
 PORT_SPAN = 64  # MASTER_PORT: the first of ddp_master_port .. +63 that binds
 PROBE_TIMEOUT_S = 180  # the in-job preflight step: the probe allows itself 120 s (launch/node/probe.py)
 DRIVER = "ddp_train.launch.slurm.driver"
+SRUN_WAIT_S = 60  # srun --wait: the other tasks' end after the first one exited
+RUNNING_TASKS = re.compile(r"StepId=\S+ tasks? ([\d,-]+): running")
+# The driver's lines the launcher acts on (submit.py): its last one unless requeued, and the one naming
+# nodes that went away without an exit status.
+DONE = re.compile(r"^ddp-slurm: job \d+: done, exit (\d+)$")
+GONE = re.compile(r"^ddp-slurm: job \d+: (.* did not end with the other nodes .*)$")
 
 
 def log_dir(workdir: str | None, slurm_job: str) -> str:
@@ -115,7 +121,9 @@ def free_port(addr: str, first: int) -> int:
 # ---- the driver (the batch script, on node 0) -------------------------------------------------------
 
 
-def main(blob: str) -> int:
+def main(blob: str, early: Sequence[int] = ()) -> int:
+    """The batch script's driver; `early`: stop signals its prologue caught before this ran (a time
+    limit's USR1 can come at once: Slurm sends it up to 60 s before its lead, sbatch(1) --signal)."""
     job: dict[str, Any] = json.loads(base64.b64decode(blob))
     slurm_job = os.environ.get("SLURM_JOB_ID", "0")
     hosts = subprocess.run(
@@ -127,13 +135,41 @@ def main(blob: str) -> int:
     out_dir = Path(log_dir(job.get("workdir"), slurm_job))
     out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     say = _Say(out_dir / DRIVER_LOG)
+    stop = _Stop(say)
+    for trapped in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(trapped, stop.handle)
+    for signum in early:
+        stop.handle(signum, None)
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    code = _run(job, slurm_job, hosts, out_dir, say, stop, restarts)
+    max_requeues = int(job.get("max_requeues") or 0)
+    if stop.signum == signal.SIGUSR1 and code == 143 and restarts < max_requeues:
+        subprocess.run(["scontrol", "requeue", slurm_job], check=False)
+        say(
+            f"ddp-slurm: job {slurm_job}: requeued ({restarts + 1}/{max_requeues}); it resumes from the "
+            "newest checkpoint"
+        )
+    else:
+        say(f"ddp-slurm: job {slurm_job}: done, exit {code}")  # DONE: the launcher ends here (submit.py)
+    return code
+
+
+def _run(
+    job: dict[str, Any],
+    slurm_job: str,
+    hosts: Sequence[str],
+    out_dir: Path,
+    say: Callable[[str], None],
+    stop: _Stop,
+    restarts: int,
+) -> int:
+    """Preflight, then the training step; the batch script's exit code."""
     try:
         addr, _dev = own_address(job.get("cidr"))
     except ValueError as e:
         say(f"ddp-slurm: {hosts[0]}: {e}")
         return 3
     port = free_port(addr, int(job["port"]))
-    restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
     say(
         f"ddp-slurm: job {slurm_job} ({job['job_id']}) on {','.join(hosts)}: MASTER_ADDR={addr} "
         f"MASTER_PORT={port}{f', restart {restarts}' if restarts else ''}"
@@ -143,32 +179,55 @@ def main(blob: str) -> int:
     if job.get("preflight", True) and not preflight(job, hosts, line, say):
         say(f"ddp-slurm: job {slurm_job}: preflight failed on the allocation; nothing was started")
         return 3
-    argv = [*_step(len(hosts)), "--kill-on-bad-exit=1", "--wait=60", python, "-m", DRIVER, "--node"]
+    if stop.signum:
+        say(f"ddp-slurm: job {slurm_job}: stopped before training started")
+        return 143
+    argv = [
+        *_step(len(hosts)),
+        "--kill-on-bad-exit=1",
+        f"--wait={SRUN_WAIT_S}",
+        python,
+        "-m",
+        DRIVER,
+        "--node",
+    ]
     srun = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert srun.stdin is not None and srun.stdout is not None
     srun.stdin.write(line.encode())
     srun.stdin.flush()
-    stop = _Stop(srun.stdin, say)
-    signal.signal(signal.SIGTERM, stop.handle)
-    signal.signal(signal.SIGINT, stop.handle)
-    signal.signal(signal.SIGUSR1, stop.handle)
-    _relay(srun.stdout, hosts, out_dir, say)
+    stop.attach(srun.stdin)
+    srun_lines = _relay(srun.stdout, hosts, out_dir, say)
     code = srun.wait()
     say(f"ddp-slurm: job {slurm_job}: srun exited {code}")
+    gone = [hosts[t] for t in stragglers(srun_lines) if t < len(hosts)]
+    if gone and not stop.signum:
+        say(
+            f"ddp-slurm: job {slurm_job}: {', '.join(gone)} did not end with the other nodes (srun gave "
+            f"it {SRUN_WAIT_S} s): the node, its slurmd or its slurmstepd is gone; the other nodes' "
+            "errors are its consequence"
+        )
+        return 1
     if code > 128 and not stop.signum:
         # nobody stopped the job: one node failed and srun (--kill-on-bad-exit) ended the others
         say(f"ddp-slurm: job {slurm_job}: a node failed (above); srun ended the others")
-        code = 1
-    elif code > 128:
-        code = 143  # the others were ended by srun while exiting after their save (their lines say so)
-    max_requeues = int(job.get("max_requeues") or 0)
-    if stop.signum == signal.SIGUSR1 and code == 143 and restarts < max_requeues:
-        subprocess.run(["scontrol", "requeue", slurm_job], check=False)
-        say(
-            f"ddp-slurm: job {slurm_job}: requeued ({restarts + 1}/{max_requeues}); it resumes from the "
-            "newest checkpoint"
-        )
+        return 1
+    if code > 128:
+        return 143  # the others were ended by srun while exiting after their save (their lines say so)
     return code
+
+
+def stragglers(srun_lines: Sequence[str]) -> list[int]:
+    """The tasks srun still saw running after its --wait ran out ("srun: StepId=5.1 task 2: running",
+    "tasks 0-1,3: running"): their node went away without an exit status."""
+    tasks: set[int] = set()
+    for text in srun_lines:
+        m = RUNNING_TASKS.search(text)
+        if not m:
+            continue
+        for part in m.group(1).split(","):
+            first, _, last = part.partition("-")
+            tasks.update(range(int(first), int(last or first) + 1))
+    return sorted(tasks)
 
 
 def preflight(job: Mapping[str, Any], hosts: Sequence[str], line: str, say: Callable[[str], None]) -> bool:
@@ -182,7 +241,7 @@ def preflight(job: Mapping[str, Any], hosts: Sequence[str], line: str, say: Call
     from ddp_train.launch.preflight.preflight_model import NodeCheck
 
     python = f"{job['venv'].rstrip('/')}/bin/python"
-    argv = [*_step(len(hosts)), "--wait=60", python, "-m", DRIVER, "--probe"]
+    argv = [*_step(len(hosts)), f"--wait={SRUN_WAIT_S}", python, "-m", DRIVER, "--probe"]
     try:
         out, both = subprocess.PIPE, subprocess.STDOUT
         res = subprocess.run(argv, input=line.encode(), stdout=out, stderr=both, timeout=PROBE_TIMEOUT_S)
@@ -229,10 +288,12 @@ def _step(n: int) -> list[str]:
 
 
 class _Stop:
-    """SIGTERM/SIGINT/SIGUSR1 on the driver: one "stop" line to every node, once."""
+    """SIGTERM/SIGINT/SIGUSR1 on the driver: one "stop" line to every node, once (as soon as the training
+    step's stdin is attached; a stop before that means the step never starts)."""
 
-    def __init__(self, stdin: IO[bytes], say: Callable[[str], None]) -> None:
-        self.stdin, self.signum, self.say = stdin, 0, say
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self.stdin: IO[bytes] | None = None
+        self.signum, self.say = 0, say
 
     def handle(self, signum: int, _frame: object) -> None:
         if self.signum:
@@ -242,10 +303,17 @@ class _Stop:
             f"ddp-slurm: got {signal.Signals(signum).name}: every node stops its torchrun (each rank "
             "finishes its step and saves)"
         )
-        threading.Thread(target=self._send, daemon=True).start()  # no blocking write in a handler
+        if self.stdin is not None:
+            threading.Thread(target=self._send, daemon=True).start()  # no blocking write in a handler
+
+    def attach(self, stdin: IO[bytes]) -> None:
+        self.stdin = stdin
+        if self.signum:
+            self._send()
 
     def _send(self) -> None:
         try:
+            assert self.stdin is not None
             self.stdin.write(STOP)
             self.stdin.flush()
         except (OSError, ValueError):
@@ -265,8 +333,10 @@ class _Say:
         self.file.flush()
 
 
-def _relay(stream: IO[bytes], hosts: Sequence[str], out_dir: Path, say: Callable[[str], None]) -> None:
+def _relay(stream: IO[bytes], hosts: Sequence[str], out_dir: Path, say: Callable[[str], None]) -> list[str]:
+    """Each task's lines to its log and the batch output, prefixed; srun's own lines said and returned."""
     files: dict[int, IO[str]] = {}
+    own: list[str] = []
     for raw in stream:
         text = raw.decode("utf-8", "replace").rstrip("\n")
         m = LABEL.match(text)
@@ -283,8 +353,10 @@ def _relay(stream: IO[bytes], hosts: Sequence[str], out_dir: Path, say: Callable
             print(f"[{hosts[task]} r{task}] {m.group(2)}", flush=True)
         else:
             say(text)
+            own.append(text)
     for f in files.values():
         f.close()
+    return own
 
 
 # ---- every node (an srun task) ------------------------------------------------------------------------

@@ -20,6 +20,7 @@ SUBMIT_GROUPS = ("slurm_login", "slurm_controller")
 # sbatch(1) --time: "minutes", "minutes:seconds", "hours:minutes:seconds", "days-hours",
 # "days-hours:minutes" and "days-hours:minutes:seconds"
 TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+SIGNAL_EARLY_S = 60  # sbatch(1) --signal: "the signal may be sent up to 60 seconds earlier than specified"
 FLAGS = ("partition", "account", "qos", "time", "nodes", "gpus_per_node", "constraint")
 
 
@@ -112,6 +113,13 @@ def load(opts: argparse.Namespace, sources: Sequence[str], extra_vars: Sequence[
             raise LaunchError(f"--time / slurm_time: {e}") from None
     exclusive = bool(getattr(opts, "slurm_exclusive", False) or hostvars.get("slurm_exclusive", False))
     lead = _positive(hostvars.get("slurm_signal_lead_s", 120), "slurm_signal_lead_s")
+    limit = minutes(values["time"]) if values["time"] is not None else None
+    if limit is not None and limit * 60 <= lead + SIGNAL_EARLY_S:
+        raise LaunchError(
+            f"--time {values['time']}: the time limit's USR1 comes slurm_signal_lead_s={lead} s before it, "
+            f"and Slurm may send it up to {SIGNAL_EARLY_S} s earlier (sbatch(1) --signal): the job would "
+            "stop as it starts; give a longer --time or a smaller slurm_signal_lead_s"
+        )
     max_requeues = getattr(opts, "max_requeues", None)
     if max_requeues is None:
         max_requeues = hostvars.get("slurm_max_requeues", 0)

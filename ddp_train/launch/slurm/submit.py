@@ -12,6 +12,7 @@ stop (`scancel --batch --signal=TERM`); Ctrl-C only detaches: the job is Slurm's
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import signal
 import time
@@ -28,13 +29,14 @@ from ddp_train.launch.run.logs import JobLog
 from ddp_train.launch.run.report import JobResult
 from ddp_train.launch.run.trainerlog import Stopped, parse_stopped
 from ddp_train.launch.slurm import jobctl
-from ddp_train.launch.slurm.driver import log_dir
+from ddp_train.launch.slurm.driver import DONE, GONE, log_dir
 from ddp_train.launch.slurm.settings import SlurmSettings, minutes
 
 if TYPE_CHECKING:
     from ddp_train.launch.remote.remote import Session
 
 POLL_S = 1.0
+COMPLETING_WAIT_S = 10.0  # a job whose batch script is done may stay COMPLETING this long before we report
 
 
 def batch_script(plan: JobPlan, s: SlurmSettings, preflight: bool = True) -> str:
@@ -65,7 +67,17 @@ def batch_script(plan: JobPlan, s: SlurmSettings, preflight: bool = True) -> str
     if p.cwd:
         lines.append(f"#SBATCH --chdir={p.cwd}")
     lines.append("#SBATCH --output=ddp-slurm-%j.out")
-    lines += ["import sys", "from ddp_train.launch.slurm.driver import main", f'sys.exit(main("{blob}"))', ""]
+    # Stop signals caught from the first line on, for the driver: Slurm may send a time limit's USR1 up to
+    # 60 s before its lead (sbatch(1) --signal), at once in a short job, and USR1's default action kills.
+    lines += [
+        "import signal, sys",
+        "early = []",
+        "for trapped in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):",
+        "    signal.signal(trapped, lambda signum, _frame: early.append(signum))",
+        "from ddp_train.launch.slurm.driver import main",
+        f'sys.exit(main("{blob}", early))',
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -121,6 +133,8 @@ class SlurmBackend:
         self.pool = SessionPool(cfg.connect_timeout)
         self.slurm_id = ""
         self.stopped: list[Stopped] = []  # the ranks' `stopped` lines in their output
+        self.done: int | None = None  # the driver's last line: the batch script's exit code
+        self.gone = ""  # the driver's line naming nodes that went away without an exit status
         self.stop_sent = False
         self.detached = False
 
@@ -215,6 +229,7 @@ class SlurmBackend:
         s = jobctl.SlurmState("PENDING")
         t0 = time.monotonic()
         batch = ""
+        waited: float | None = None  # since when the batch script is done and the job still COMPLETING
         while True:
             try:
                 session = self._session()
@@ -245,6 +260,18 @@ class SlurmBackend:
                 return JobResult(exitcodes.SIGINT, "detached", False, None, {}, time.monotonic() - t0)
             if s.ended:
                 break
+            if self.done is not None and s.state.startswith("COMPLETING"):
+                # The batch script is done, but Slurm waits for a node that does not answer (its slurmd
+                # is gone; slurmctld marks it DOWN after SlurmdTimeout, 300 s by default): the job's
+                # outcome is known, so report it now instead of waiting with it.
+                waited = waited if waited is not None else time.monotonic()
+                if time.monotonic() - waited > COMPLETING_WAIT_S:
+                    log.note(
+                        f"Slurm job {slurm_id}: the batch script ended (exit {self.done}); Slurm still waits "
+                        f"for {s.nodes or 'a node'} to confirm (COMPLETING)"
+                    )
+                    s = dataclasses.replace(s, exit_code=self.done)
+                    break
             time.sleep(POLL_S)
         code = jobctl.exit_code(s)
         world, ranks = {r.world for r in self.stopped}, {r.rank for r in self.stopped}
@@ -253,7 +280,9 @@ class SlurmBackend:
             # then says only how the batch script was ended (0:9 when killed with the job), not how it went.
             code, stopped = exitcodes.SIGTERM, True
         reason = s.line(slurm_id)
-        failure = None if code in (0, exitcodes.SIGTERM) else reason
+        failure = None if code in (0, exitcodes.SIGTERM) else (self.gone or reason)
+        if failure and self.gone:
+            log.note(f"Slurm job {slurm_id} FAILED: {self.gone}")
         elapsed = time.monotonic() - t0
         return JobResult(code, reason, stopped and code == exitcodes.SIGTERM, failure, {}, elapsed)
 
@@ -266,6 +295,12 @@ class SlurmBackend:
             host, label = jobctl.label(name)
             lines = text.splitlines()
             self.stopped += parse_stopped(lines)
+            if host == "driver":
+                for line in lines:
+                    if m := DONE.match(line):
+                        self.done = int(m.group(1))
+                    elif m := GONE.match(line):
+                        self.gone = m.group(1)
             for line in lines:
                 self.log.line(host, label, line)
 
