@@ -457,4 +457,5 @@ def test_a_stop_caught_before_the_training_step_is_sent_to_it_once_attached() ->
             pass
 
     stop.attach(Stdin())  # type: ignore[arg-type]
+    stop._send()  # the handler's thread, had the signal come while attach() ran
     assert sent == [driver.STOP]

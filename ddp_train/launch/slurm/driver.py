@@ -294,6 +294,7 @@ class _Stop:
     def __init__(self, say: Callable[[str], None]) -> None:
         self.stdin: IO[bytes] | None = None
         self.signum, self.say = 0, say
+        self.lock, self.sent = threading.Lock(), False  # a signal during attach() must not send it twice
 
     def handle(self, signum: int, _frame: object) -> None:
         if self.signum:
@@ -312,12 +313,15 @@ class _Stop:
             self._send()
 
     def _send(self) -> None:
-        try:
-            assert self.stdin is not None
-            self.stdin.write(STOP)
-            self.stdin.flush()
-        except (OSError, ValueError):
-            pass
+        with self.lock:
+            if self.sent or self.stdin is None:
+                return
+            self.sent = True
+            try:
+                self.stdin.write(STOP)
+                self.stdin.flush()
+            except (OSError, ValueError):
+                pass
 
 
 class _Say:
