@@ -459,3 +459,38 @@ def test_a_stop_caught_before_the_training_step_is_sent_to_it_once_attached() ->
     stop.attach(Stdin())  # type: ignore[arg-type]
     stop._send()  # the handler's thread, had the signal come while attach() ran
     assert sent == [driver.STOP]
+
+
+def test_a_done_batch_script_is_reported_while_slurm_still_waits_for_a_lost_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """#28: node2's slurmd is gone, so the job stays COMPLETING until slurmctld marks it DOWN (300 s);
+    the driver's last line already says how it ended, and names the node."""
+    inv = inventory(tmp_path)
+    plan = build_plan(load_nodes([inv]), Options(job_id="sd"))
+    b = backend(tmp_path)
+    b.stop_sent = False
+    fake = SeqSession(["RUNNING", "COMPLETING"])
+    notes: list[str] = []
+    b.log = argparse.Namespace(note=notes.append, line=lambda *a: None)  # type: ignore[assignment]
+    driver_log = (
+        "ddp-slurm: job 7: srun exited 143\n"
+        "ddp-slurm: job 7: node2 did not end with the other nodes (srun gave it 60 s): the node, its slurmd "
+        "or its slurmstepd is gone; the other nodes' errors are its consequence\n"
+        "ddp-slurm: job 7: done, exit 1\n"
+    )
+    reads = iter([{}, {"driver.log": (len(driver_log), driver_log)}])
+    monkeypatch.setattr(b, "_session", lambda: fake)
+    monkeypatch.setattr(b.pool, "get", lambda node: fake)
+    monkeypatch.setattr(submit.jobctl, "read_logs", lambda *a: next(reads, {}))
+    clock = iter(range(0, 10_000, 4))
+    monkeypatch.setattr(submit.time, "monotonic", lambda: float(next(clock)))
+    monkeypatch.setattr(submit.time, "sleep", lambda s: None)
+    res = b._follow(plan, lambda state: None)
+    assert res.code == 1 and res.first_failure.startswith("node2 did not end with the other nodes"), notes
+    assert (
+        "Slurm job 7: the batch script ended (exit 1); Slurm still waits for n0 to confirm (COMPLETING)"
+        in notes
+    )
+    assert notes[-1].startswith("Slurm job 7 FAILED: node2 did not end with the other nodes"), notes
+    assert len([c for c in fake.commands if c.startswith("squeue")]) < 10

@@ -12,7 +12,6 @@ stop (`scancel --batch --signal=TERM`); Ctrl-C only detaches: the job is Slurm's
 from __future__ import annotations
 
 import base64
-import dataclasses
 import json
 import signal
 import time
@@ -270,10 +269,9 @@ class SlurmBackend:
                         f"Slurm job {slurm_id}: the batch script ended (exit {self.done}); Slurm still waits "
                         f"for {s.nodes or 'a node'} to confirm (COMPLETING)"
                     )
-                    s = dataclasses.replace(s, exit_code=self.done)
                     break
             time.sleep(POLL_S)
-        code = jobctl.exit_code(s)
+        code = jobctl.exit_code(s) if s.ended or self.done is None else self.done  # done, still COMPLETING
         world, ranks = {r.world for r in self.stopped}, {r.rank for r in self.stopped}
         if s.state.startswith("CANCELLED") and len(world) == 1 and len(ranks) in world:
             # A plain `scancel JOB` (or `stop`): every rank finished its step and saved. Slurm's ExitCode
