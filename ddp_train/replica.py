@@ -35,6 +35,7 @@ from ddp_train import checkpoint
 
 CHUNK = 4 << 20
 TOKEN_TIMEOUT_S = 10.0  # a connection that has not shown the token by then is dropped
+CLOSE_WAIT_S = 2.0  # Receiver.close(): how long the connections in hand may take to end
 log = logging.getLogger("ddp_train")
 
 
@@ -82,15 +83,23 @@ class Receiver:
         self.sock.listen(4)
         self.address = f"{host}|{self.sock.getsockname()[1]}|{self.token}"
         self.lock = threading.Lock()  # one transfer writes at a time (the same <name>.tmp, prune)
+        self.handlers: set[threading.Thread] = set()  # a thread per connection still being handled
+        self.handlers_lock = threading.Lock()
         self.thread = threading.Thread(target=self._serve, name="ddp-replica-recv", daemon=True)
         self.thread.start()
 
     def close(self) -> None:
-        """Stop listening; shutdown() wakes the accept() that close() alone leaves blocked (Linux)."""
+        """Stop listening (shutdown() wakes the accept() that close() alone leaves blocked, Linux), then
+        give the connections in hand CLOSE_WAIT_S to end, so none logs after its owner is gone."""
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self.sock.close()
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        with self.handlers_lock:
+            handlers = list(self.handlers)
+        for t in handlers:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def _serve(self) -> None:
         while True:
@@ -99,9 +108,19 @@ class Receiver:
             except OSError:
                 return  # closed
             # a thread per connection: a peer that stalls holds its own thread, never the next transfer
-            threading.Thread(target=self._handle, args=(conn,), name="ddp-replica-conn", daemon=True).start()
+            t = threading.Thread(target=self._handle, args=(conn,), name="ddp-replica-conn", daemon=True)
+            with self.handlers_lock:
+                self.handlers.add(t)
+            t.start()
 
     def _handle(self, conn: socket.socket) -> None:
+        try:
+            self._handle_one(conn)
+        finally:
+            with self.handlers_lock:
+                self.handlers.discard(threading.current_thread())
+
+    def _handle_one(self, conn: socket.socket) -> None:
         with conn:
             conn.settimeout(TOKEN_TIMEOUT_S)  # until the token is checked: a short wait per read ...
             # ... and a deadline for the whole header, which a peer trickling bytes cannot extend

@@ -64,20 +64,27 @@ def test_gpu_configs_evaluate_every_hundreds_of_steps():
 
 def test_wall_clock_tokens_per_s_keeps_the_time_eval_takes(tmp_path, monkeypatch):
     real = Evaluator.evaluate
+    took: list[float] = []  # each eval's own wall time (0.3 s and more on a loaded machine)
 
     def slow_evaluate(self, *a, **k):
+        t0 = time.perf_counter()
         time.sleep(0.3)
-        return real(self, *a, **k)
+        try:
+            return real(self, *a, **k)
+        finally:
+            took.append(time.perf_counter() - t0)
 
     monkeypatch.setattr(Evaluator, "evaluate", slow_evaluate)
     code, _ = train(tmp_path, "train.max_steps=6", "eval.interval_steps=2", "log.interval_steps=2")
     assert code == 0
     recs = metrics(tmp_path)
     assert [r["step"] for r in recs] == [2, 4, 6]
-    for r in recs[1:]:  # windows 3-4 and 5-6 hold the evals of steps 2 and 4
+    for r, eval_s in zip(recs[1:], took):  # windows 3-4 and 5-6 hold the evals of steps 2 and 4
         tokens = r["tokens_per_s"] * r["step_time_s"] * 2
         hidden = tokens / r["wall_tokens_per_s"] - tokens / r["tokens_per_s"]
-        assert 0.3 <= hidden < 1.0, r  # the eval paused out of tokens_per_s is in the wall figure
+        # the eval paused out of tokens_per_s is in the wall figure, once (with best.pt's save beside
+        # it); CI (stop 38) saw 1.47 s under load against a fixed bound of 1.0
+        assert 0.95 * eval_s <= hidden < 2 * eval_s + 0.5, (r, took)
 
 
 def test_run_throughput_line_names_both_figures(tmp_path, capsys):
