@@ -494,3 +494,15 @@ def test_a_done_batch_script_is_reported_while_slurm_still_waits_for_a_lost_node
     )
     assert notes[-1].startswith("Slurm job 7 FAILED: node2 did not end with the other nodes"), notes
     assert len([c for c in fake.commands if c.startswith("squeue")]) < 10
+
+
+def test_a_first_start_moves_an_earlier_jobs_logs_of_the_same_id_aside(tmp_path: Path) -> None:
+    """Slurm numbered jobs from 1 again (bench C10 on fresh hosts, a shared workdir): the launcher replayed
+    the earlier job 1's `step 1/` as the new one's. A requeued start keeps appending to its own."""
+    old = tmp_path / ".ddp-launch" / "slurm-1"
+    old.mkdir(parents=True)
+    (old / "r0-node0.log").write_text("step 1/3 of an earlier job\n")
+    aside = driver._fresh_log_dir(old)
+    assert aside is not None and (aside / "r0-node0.log").exists() and not old.exists()
+    assert aside.name.startswith("slurm-1.before-")
+    assert driver._fresh_log_dir(old) is None  # nothing there: nothing to move

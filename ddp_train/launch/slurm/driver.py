@@ -34,6 +34,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -132,15 +133,18 @@ def main(blob: str, early: Sequence[int] = ()) -> int:
         text=True,
         check=True,
     ).stdout.split()
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
     out_dir = Path(log_dir(job.get("workdir"), slurm_job))
+    moved = _fresh_log_dir(out_dir) if restarts == 0 else None
     out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     say = _Say(out_dir / DRIVER_LOG)
+    if moved:
+        say(f"ddp-slurm: job {slurm_job}: the logs of an earlier job {slurm_job} moved to {moved}")
     stop = _Stop(say)
     for trapped in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(trapped, stop.handle)
     for signum in early:
         stop.handle(signum, None)
-    restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
     code = _run(job, slurm_job, hosts, out_dir, say, stop, restarts)
     max_requeues = int(job.get("max_requeues") or 0)
     if stop.signum == signal.SIGUSR1 and code == 143 and restarts < max_requeues:
@@ -152,6 +156,20 @@ def main(blob: str, early: Sequence[int] = ()) -> int:
     else:
         say(f"ddp-slurm: job {slurm_job}: done, exit {code}")  # DONE: the launcher ends here (submit.py)
     return code
+
+
+def _fresh_log_dir(out_dir: Path) -> Path | None:
+    """A job's first start finds its log directory taken when Slurm numbers jobs from 1 again (a wiped
+    StateSaveLocation, another cluster sharing the workdir): the launcher would replay those lines as
+    this job's. Move them aside (a requeued start, SLURM_RESTART_COUNT > 0, appends to its own)."""
+    if not out_dir.exists():
+        return None
+    aside = out_dir.with_name(f"{out_dir.name}.before-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    try:
+        out_dir.rename(aside)
+    except OSError:
+        return None
+    return aside
 
 
 def _run(
