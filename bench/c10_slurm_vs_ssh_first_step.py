@@ -5,9 +5,9 @@ molecule/slurm's prepare and converge playbooks (not timed: 4-8 min on 2 shared 
 longer than the 5 minutes of the others), then alternates the two backends on the same trainer (default
 MLP, 3 steps, 1 process per host) and times each from the command's start until rank 0 logs `step 1/`.
 Ends with `C10 slurm/ssh first_step_s ratio=R ...`. The Slurm time adds sbatch, slurmctld's scheduling
-(its main loop runs on submit), the batch script's start, srun's step launch on every node and the
-launcher's polling (1 s) of the driver's log; the SSH backend's adds its node preflight, which the Slurm
-backend leaves out (docs/slurm.md, "Slurm (the launcher's backend)").
+(its main loop runs on submit), the batch script's start, its in-job node preflight (an srun step),
+srun's step launch on every node and the launcher's polling (1 s) of the driver's log; the SSH backend's
+adds its node preflight over SSH (docs/slurm.md, "Slurm (the launcher's backend)").
 """
 
 from __future__ import annotations
