@@ -355,17 +355,21 @@ def test_the_leftover_scan_removes_a_killed_agents_empty_private_directory_only(
     tmp_path: Path, unprivileged_user: str
 ) -> None:
     """A SIGKILLed agent cannot remove its 0700 directory under $TMPDIR: the scan that finds nothing of
-    the job left removes it if empty and this user's; never one with an agent.log, another job's (job
-    "j" vs "j-b"), a symlink, another user's, or anything while a process of the job runs."""
+    the job left removes its ranks' stack dump files and then the directory if that emptied it and it is
+    this user's; never one with an agent.log, another job's (job "j" vs "j-b"), a symlink, another
+    user's, or anything while a process of the job runs."""
     from ddp_train.launch.run.nodecontrol import SIGNAL_SCRIPT
 
     job = f"sec-dir-{secrets.token_hex(2)}"
     made = {name: tmp_path / f"ddp-agent-{name}-{secrets.token_hex(4)}" for name in (job, f"{job}-b")}
     for d in made.values():
         d.mkdir(mode=0o700)
+        (d / "r0.txt").write_text("")  # the rank's stack dump file (ddp_train/stackdump.py), opened at start
     kept_log = tmp_path / f"ddp-agent-{job}-{secrets.token_hex(4)}"
     kept_log.mkdir(mode=0o700)
     (kept_log / "agent.log").write_text("lost the launcher\n")
+    (kept_log / "r12.txt").write_text("")
+    (kept_log / "notes.txt").write_text("not ours to remove\n")
     target = tmp_path / "elsewhere"
     target.mkdir()
     (tmp_path / f"ddp-agent-{job}-link0000").symlink_to(target)
@@ -388,4 +392,5 @@ def test_the_leftover_scan_removes_a_killed_agents_empty_private_directory_only(
         running.wait()
     assert scan() == ""
     assert not made[job].exists()
-    assert made[f"{job}-b"].is_dir() and kept_log.is_dir() and target.is_dir() and theirs.is_dir()
+    assert (made[f"{job}-b"] / "r0.txt").exists() and theirs.is_dir() and target.is_dir()
+    assert sorted(p.name for p in kept_log.iterdir()) == ["agent.log", "notes.txt"]
