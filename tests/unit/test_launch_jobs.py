@@ -157,18 +157,24 @@ for _ in range(600):
 """
 
 
-def _agent(tmp_path: Path, lifeline: str) -> subprocess.Popen:
+def _start_agent(tmp_path: Path, torchrun: str, lifeline: str, job: str) -> subprocess.Popen:
+    """The node agent over a fake torchrun script; its environment line sent, its stdin kept open."""
     script = tmp_path / "torchrun"
-    script.write_text(FAKE_TORCHRUN)
+    script.write_text(torchrun)
     proc = subprocess.Popen(
         [sys.executable, "-m", "ddp_train.agent", str(script)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         env=dict(os.environ, TMPDIR=str(tmp_path)),
     )  # fmt: skip
     assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write((json.dumps({"DDP_LIFELINE_S": lifeline, "DDP_JOB_ID": "lt"}) + "\n").encode())
+    proc.stdin.write((json.dumps({"DDP_LIFELINE_S": lifeline, "DDP_JOB_ID": job}) + "\n").encode())
     proc.stdin.flush()
-    assert proc.stdout.readline() == b"fake torchrun running\n"
+    return proc
+
+
+def _agent(tmp_path: Path, lifeline: str) -> subprocess.Popen:
+    proc = _start_agent(tmp_path, FAKE_TORCHRUN, lifeline, "lt")
+    assert proc.stdout is not None and proc.stdout.readline() == b"fake torchrun running\n"
     return proc
 
 
@@ -225,16 +231,8 @@ raise SignalException()
 def test_the_agents_own_last_line_is_whole_and_last(tmp_path: Path) -> None:
     # CI (stop 37): "ddp-agent: SIGTERM: ...; exit 143Traceback (most recent call last):", a worker's
     # traceback glued onto the agent's line, which the console's traceback filter then let through
-    script = tmp_path / "torchrun"
-    script.write_text(LATE_WRITER_TORCHRUN)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddp_train.agent", str(script)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        env=dict(os.environ, TMPDIR=str(tmp_path)),
-    )  # fmt: skip
+    proc = _start_agent(tmp_path, LATE_WRITER_TORCHRUN, "30", "ll")  # stdin open: the launcher is there
     assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write((json.dumps({"DDP_LIFELINE_S": "30", "DDP_JOB_ID": "ll"}) + "\n").encode())
-    proc.stdin.flush()  # and kept open: the launcher is there all along
     lines = proc.stdout.read().decode().splitlines()
     proc.wait(timeout=60)
     proc.stdin.close()
