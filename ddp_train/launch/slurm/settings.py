@@ -105,15 +105,15 @@ def load(opts: argparse.Namespace, sources: Sequence[str], extra_vars: Sequence[
     for name in ("nodes", "gpus_per_node"):
         if values[name] is not None:
             values[name] = _positive(values[name], f"--{name.replace('_', '-')} / slurm_{name}")
+    limit = None  # --time in minutes (None: not set, or UNLIMITED)
     if values["time"] is not None:
         values["time"] = str(values["time"])
         try:
-            minutes(values["time"])
+            limit = minutes(values["time"])
         except ValueError as e:
             raise LaunchError(f"--time / slurm_time: {e}") from None
     exclusive = bool(getattr(opts, "slurm_exclusive", False) or hostvars.get("slurm_exclusive", False))
     lead = _positive(hostvars.get("slurm_signal_lead_s", 120), "slurm_signal_lead_s")
-    limit = minutes(values["time"]) if values["time"] is not None else None
     if limit is not None and limit * 60 <= lead + SIGNAL_EARLY_S:
         raise LaunchError(
             f"--time {values['time']}: the time limit's USR1 comes slurm_signal_lead_s={lead} s before it, "
