@@ -1,0 +1,110 @@
+"""The slurm role's EL path on two EL9 simulation hosts (node0 controller and compute node, node1 compute
+node): `slurm_package_source: epel` enables EPEL with epel-release, installs EPEL's slurm packages and
+AppStream's munge with dnf (the sim's stub RPMs, tests/testbed/el/manifest.yml), generates the munge key
+a fresh EL install lacks and copies it, starts the daemons (Debian 12's real Slurm 22.05 and munge, the
+same major release as EPEL 9's 22.05.9), and slurm.yml's own check sees both nodes idle with their GPUs
+and runs a step on both. --check before anything is installed, then converge, then a second run that
+changes nothing. And an EL10 host, where EPEL has no Slurm (epel-testing only): one message naming the
+source. Own testbeds: prefix elsl, 10.213.171 and elsm, 10.213.172."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+import yaml
+
+from tests.ansible.el_sim import recaps, sh
+from tests.conftest import private_testbed
+
+pytestmark = [pytest.mark.testbed, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+GPUS = 2
+# The namespace hosts cannot have cgroups delegated (as molecule/slurm's group_vars); the GPUs' character
+# devices are made in each host's private /run (gres.conf's File= lines need a character device).
+GROUP_VARS = {
+    "slurm_proctrack_type": "proctrack/linuxproc",
+    "slurm_task_plugin": "task/none",
+    "slurm_cgroup_constrain": False,
+    "slurm_cgroup_plugin": "cgroup/v1",
+    "slurm_kill_wait": 10,
+    "slurm_gpu_device_prefix": "/run/ddp-sim-gpu/nvidia",
+    "slurm_package_source": "epel",
+}
+
+
+@pytest.fixture(scope="module")
+def el9():
+    for binary in ("slurmctld", "slurmd", "srun", "munged"):
+        if shutil.which(binary, path="/usr/sbin:/usr/bin") is None:
+            pytest.skip(f"Slurm is not installed here ({binary}): bash .ci/setup --with-testbed")
+    with private_testbed("elsl", "10.213.171", 2, os="rocky9", gpus=GPUS) as tb:
+        for i in range(2):
+            # A fresh EL install has no munge key (EL's munge generates none; the sim's /etc has Debian's).
+            devices = " && ".join(f"mknod /run/ddp-sim-gpu/nvidia{g} c 195 {g}" for g in range(GPUS))
+            sh(tb, i, f"rm -f /etc/munge/munge.key && mkdir -p /run/ddp-sim-gpu && {devices}")
+        yield tb
+
+
+def _slurm_inventory(tmp_path) -> str:
+    inv = tmp_path / "slurm-inv"
+    (inv / "group_vars").mkdir(parents=True)
+    controller = {"all": {"children": {"slurm_controller": {"hosts": {"node0": {}}}}}}
+    (inv / "hosts.yml").write_text(yaml.safe_dump(controller))
+    (inv / "group_vars" / "all.yml").write_text(yaml.safe_dump(GROUP_VARS))
+    return str(inv)
+
+
+@pytest.fixture
+def slurm_yml(el9, playbook, tmp_path):
+    inv = ["-i", str(el9.inventory), "-i", _slurm_inventory(tmp_path)]
+
+    def _run(*args: str):
+        return playbook(*inv, *args, "playbooks/slurm.yml", timeout=900)
+
+    return _run
+
+
+def test_epel_slurm_installs_starts_and_answers_on_el9(el9, slurm_yml):
+    check = slurm_yml("--check")
+    assert check.returncode == 0, check.out[-4000:]
+    assert "check mode: the epel repository is not there yet" in check.out, check.out[-4000:]
+    assert sh(el9, 0, "rpm -q epel-release slurm munge", check=False).count("is not installed") == 3
+
+    res = slurm_yml()
+    assert res.returncode == 0, res.out[-6000:]
+    assert all(c > 0 for c in recaps(res.out).values()) and len(recaps(res.out)) == 2, res.out[-3000:]
+    wanted = {"epel-release": "9-10.el9", "slurm": "22.05.9-1.el9", "slurm-slurmctld": "22.05.9-1.el9"}
+    wanted |= {"slurm-slurmd": "22.05.9-1.el9", "munge": "0.5.13-13.el9"}
+    ctl = sh(el9, 0, f"rpm -q --queryformat '%{{NAME}} %{{VERSION}}-%{{RELEASE}}\\n' {' '.join(wanted)}")
+    assert dict(line.split() for line in ctl.splitlines()) == wanted, ctl
+    node1 = sh(el9, 1, "rpm -q slurm-slurmd slurm-slurmctld munge", check=False)
+    assert "slurm-slurmd-22.05.9" in node1 and "package slurm-slurmctld is not installed" in node1, node1
+    # One key, generated on the controller and copied: munge's alone, the same on both hosts.
+    key = "stat -c '%U %a' /etc/munge/munge.key && sha256sum < /etc/munge/munge.key"
+    keys = [sh(el9, i, key) for i in (0, 1)]
+    assert keys[0] == keys[1] and keys[0].startswith("munge 400\n"), keys
+    sinfo = sh(el9, 0, "sinfo --noheader --Node --format='%N %t %G'").split("\n")
+    assert sorted(filter(None, sinfo)) == [f"node0 idle gpu:{GPUS}", f"node1 idle gpu:{GPUS}"], sinfo
+    assert re.search(r"Run hostname on every node in one step\] \*+\nok: \[node0\]", res.out), res.out[-3000:]
+
+    again = slurm_yml()
+    assert again.returncode == 0 and recaps(again.out) == {"node0": 0, "node1": 0}, again.out[-4000:]
+
+
+def test_a_source_without_slurm_for_the_release_is_one_message_naming_it(playbook, tmp_path):
+    """EL10: epel-release installs, but EPEL 10 has no Slurm (the sim's epel repo has none for rocky10)."""
+    with private_testbed("elsm", "10.213.172", 1, os="rocky10", gpus=0) as el10:
+        res = playbook("-i", str(el10.inventory), "-i", _slurm_inventory(tmp_path), "playbooks/slurm.yml")
+        assert res.returncode == 2, res.out[-4000:]
+        msg = re.search(r"slurm: dnf could not install .*?roles/slurm/README\.md\)", res.out, re.S)
+        assert msg, res.out[-4000:]
+        text = " ".join(msg.group(0).split())
+        assert text.startswith(
+            "slurm: dnf could not install slurm, slurm-slurmctld, munge, slurm-slurmd from "
+            "slurm_package_source 'epel' on Rocky 10.1: Failed to install some of the specified packages; "
+            "No package slurm available; No package slurm-slurmctld available; "
+            "No package slurm-slurmd available. Where this source"
+        ), text
+        assert "Traceback" not in res.out
