@@ -4,8 +4,10 @@ AppStream's munge with dnf (the sim's stub RPMs, tests/testbed/el/manifest.yml),
 a fresh EL install lacks and copies it, starts the daemons (Debian 12's real Slurm 22.05 and munge, the
 same major release as EPEL 9's 22.05.9), and slurm.yml's own check sees both nodes idle with their GPUs
 and runs a step on both. --check before anything is installed, then converge, then a second run that
-changes nothing. And an EL10 host, where EPEL has no Slurm (epel-testing only): one message naming the
-source. Own testbeds: prefix elsl, 10.213.171 and elsm, 10.213.172."""
+changes nothing. The `local` source on a third EL9 host: the admin's own repository (here the sim's EPEL
+directory served as that) added with yum_repository, Slurm installed from it without EPEL. And an EL10
+host, where EPEL has no Slurm (epel-testing only): one message naming the source. Own testbeds: prefix
+elsl, 10.213.171; elsn, 10.213.173; elsm, 10.213.172."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import yaml
 
 from tests.ansible.el_sim import recaps, sh
 from tests.conftest import private_testbed
+from tests.testbed import el as testbed_el
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -47,12 +50,12 @@ def el9():
         yield tb
 
 
-def _slurm_inventory(tmp_path) -> str:
+def _slurm_inventory(tmp_path, **extra) -> str:
     inv = tmp_path / "slurm-inv"
     (inv / "group_vars").mkdir(parents=True)
     controller = {"all": {"children": {"slurm_controller": {"hosts": {"node0": {}}}}}}
     (inv / "hosts.yml").write_text(yaml.safe_dump(controller))
-    (inv / "group_vars" / "all.yml").write_text(yaml.safe_dump(GROUP_VARS))
+    (inv / "group_vars" / "all.yml").write_text(yaml.safe_dump(GROUP_VARS | extra))
     return str(inv)
 
 
@@ -91,6 +94,25 @@ def test_epel_slurm_installs_starts_and_answers_on_el9(el9, slurm_yml):
 
     again = slurm_yml()
     assert again.returncode == 0 and recaps(again.out) == {"node0": 0, "node1": 0}, again.out[-4000:]
+
+
+def test_the_local_source_installs_from_the_admins_repository_without_epel(playbook, tmp_path):
+    """Package names as EPEL's (rpmbuild -ta names them alike); the repository is the only one with them."""
+    local = {"slurm_package_source": "local", "slurm_local_repo_url": testbed_el.build().repo_url("epel")}
+    with private_testbed("elsn", "10.213.173", 1, os="rocky9", gpus=0) as tb:
+        sh(tb, 0, "rm -f /etc/munge/munge.key")
+        inv = ["-i", str(tb.inventory), "-i", _slurm_inventory(tmp_path, **local)]
+        res = playbook(*inv, "playbooks/slurm.yml")
+        assert res.returncode == 0, res.out[-6000:]
+        repos = sh(tb, 0, "dnf -q list --installed slurm slurm-slurmctld slurm-slurmd munge | tail -n +2")
+        assert {line.split()[0]: line.split()[2] for line in repos.splitlines()} == {
+            "munge.x86_64": "@appstream",
+            "slurm.x86_64": "@ddp-train-slurm",
+            "slurm-slurmctld.x86_64": "@ddp-train-slurm",
+            "slurm-slurmd.x86_64": "@ddp-train-slurm",
+        }, repos
+        assert "is not installed" in sh(tb, 0, "rpm -q epel-release", check=False)
+        assert sh(tb, 0, "sinfo --noheader --Node --format='%N %t'").split() == ["node0", "idle"]
 
 
 def test_a_source_without_slurm_for_the_release_is_one_message_naming_it(playbook, tmp_path):
