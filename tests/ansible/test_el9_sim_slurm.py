@@ -4,10 +4,10 @@ AppStream's munge with dnf (the sim's stub RPMs, tests/testbed/el/manifest.yml),
 a fresh EL install lacks and copies it, starts the daemons (Debian 12's real Slurm 22.05 and munge, the
 same major release as EPEL 9's 22.05.9), and slurm.yml's own check sees both nodes idle with their GPUs
 and runs a step on both. --check before anything is installed, then converge, then a second run that
-changes nothing. The `local` source on a third EL9 host: the admin's own repository (here the sim's EPEL
-directory served as that) added with yum_repository, Slurm installed from it without EPEL. And an EL10
+changes nothing. The `local` and `openhpc` sources on one EL9 host each: the admin's own repository
+added with yum_repository, or OpenHPC's release RPM by URL, and Slurm installed from there. And an EL10
 host, where EPEL has no Slurm (epel-testing only): one message naming the source. Own testbeds: prefix
-elsl, 10.213.171; elsn, 10.213.173; elsm, 10.213.172."""
+elsl, 10.213.171; elsc and elso (local, openhpc), 10.213.173 and .174; elsm, 10.213.172."""
 
 from __future__ import annotations
 
@@ -96,22 +96,40 @@ def test_epel_slurm_installs_starts_and_answers_on_el9(el9, slurm_yml):
     assert again.returncode == 0 and recaps(again.out) == {"node0": 0, "node1": 0}, again.out[-4000:]
 
 
-def test_the_local_source_installs_from_the_admins_repository_without_epel(playbook, tmp_path):
-    """Package names as EPEL's (rpmbuild -ta names them alike); the repository is the only one with them."""
-    local = {"slurm_package_source": "local", "slurm_local_repo_url": testbed_el.build().repo_url("epel")}
-    with private_testbed("elsn", "10.213.173", 1, os="rocky9", gpus=0) as tb:
+SOURCES = {
+    # The admin's own repository (here the sim's EPEL directory, served as that): package names as
+    # EPEL's (rpmbuild -ta names them alike), EPEL itself left off.
+    "local": (
+        lambda: {"slurm_local_repo_url": testbed_el.build().repo_url("epel")},
+        dict.fromkeys(["slurm", "slurm-slurmctld", "slurm-slurmd"], "@ddp-train-slurm"),
+        "is not installed",
+    ),
+    # OpenHPC 3's release RPM by URL (it requires epel-release, which comes along), then its -ohpc packages.
+    "openhpc": (
+        lambda: {
+            "slurm_openhpc_release_url": testbed_el.build().repo_url("ohpc-release-download")
+            + "Packages/ohpc-release-3-1.el9.x86_64.rpm"
+        },
+        dict.fromkeys(["slurm-ohpc", "slurm-slurmctld-ohpc", "slurm-slurmd-ohpc"], "@OpenHPC"),
+        "epel-release-9-10.el9",
+    ),
+}
+
+
+@pytest.mark.parametrize("source", ["local", "openhpc"])
+def test_the_local_and_openhpc_sources_install_from_their_repositories(source, playbook, tmp_path):
+    extra, wanted, epel = SOURCES[source]
+    prefix, net = {"local": ("elsc", "10.213.173"), "openhpc": ("elso", "10.213.174")}[source]
+    with private_testbed(prefix, net, 1, os="rocky9", gpus=0) as tb:
         sh(tb, 0, "rm -f /etc/munge/munge.key")
-        inv = ["-i", str(tb.inventory), "-i", _slurm_inventory(tmp_path, **local)]
+        group_vars = {"slurm_package_source": source, **extra()}
+        inv = ["-i", str(tb.inventory), "-i", _slurm_inventory(tmp_path, **group_vars)]
         res = playbook(*inv, "playbooks/slurm.yml")
         assert res.returncode == 0, res.out[-6000:]
-        repos = sh(tb, 0, "dnf -q list --installed slurm slurm-slurmctld slurm-slurmd munge | tail -n +2")
-        assert {line.split()[0]: line.split()[2] for line in repos.splitlines()} == {
-            "munge.x86_64": "@appstream",
-            "slurm.x86_64": "@ddp-train-slurm",
-            "slurm-slurmctld.x86_64": "@ddp-train-slurm",
-            "slurm-slurmd.x86_64": "@ddp-train-slurm",
-        }, repos
-        assert "is not installed" in sh(tb, 0, "rpm -q epel-release", check=False)
+        installed = sh(tb, 0, f"dnf -q list --installed {' '.join(wanted)} munge | tail -n +2")
+        repos = {line.split()[0].removesuffix(".x86_64"): line.split()[2] for line in installed.splitlines()}
+        assert repos == wanted | {"munge": "@appstream"}, installed
+        assert epel in sh(tb, 0, "rpm -q epel-release", check=False)
         assert sh(tb, 0, "sinfo --noheader --Node --format='%N %t'").split() == ["node0", "idle"]
 
 
