@@ -1,6 +1,7 @@
 """`molecule test -s slurm` on the namespace testbed: the slurm role with Debian 12's real Slurm 22.05
 and munge on three hosts (node0 also the controller): create, --check before anything is configured
-(the controller without a munge key yet), converge, idempotence (changed=0), verify
+(the controller without a munge key yet), converge (ending with the allreduce smoke test submitted
+through `ddp-launch --backend slurm`), idempotence (changed=0), verify
 (`sinfo` shows every node idle with its simulated GPUs, `srun -N3 hostname`, one GPU per node through
 `--gres`, one munge key), destroy. Uses the testbed prefix slm and net 10.213.170."""
 
@@ -45,6 +46,10 @@ def test_molecule_slurm_scenario(venv_bin):
         ("node1", "0"),
         ("node2", "0"),
     ]
+    # slurm.yml's last check: the allreduce submitted through `ddp-launch --backend slurm`, all 3 ranks
+    text = " ".join(molecule_step(out, "slurm", "converge").replace("\u2502", " ").split())
+    assert re.search(r"node0 rank 0/3 gloo: busbw [0-9.]+ GB/s; node1 rank 1/3 gloo: busbw [0-9.]+ GB/s; "
+                     r"node2 rank 2/3 gloo: busbw [0-9.]+ GB/s", text), text[-3000:]  # fmt: skip
     verify = molecule_step(out, "slurm", "verify")
     for task in (
         "Check every node's state and GPU count",

@@ -88,6 +88,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Testbed,
             yield tb, root
         finally:
             shutil.rmtree(PCI, ignore_errors=True)
+            shutil.rmtree(f"{PCI}-work", ignore_errors=True)
 
 
 def ddp_launch(args: list[str], cwd: Path, timeout: float = 300) -> tuple[int, str]:
