@@ -506,3 +506,52 @@ def test_a_first_start_moves_an_earlier_jobs_logs_of_the_same_id_aside(tmp_path:
     assert aside is not None and (aside / "r0-node0.log").exists() and not old.exists()
     assert aside.name.startswith("slurm-1.before-")
     assert driver._fresh_log_dir(old) is None  # nothing there: nothing to move
+
+
+@pytest.mark.parametrize(
+    ("output", "failure"),
+    [
+        (
+            "slurmstepd-n0: error: execve(): bad interpreter(/opt/ddp-train/venv/bin/python): "
+            "No such file or "
+            "directory\n",
+            "n0 has no /opt/ddp-train/venv/bin/python, the batch script's interpreter: set ddp_venv to the "
+            "training venv every node has (playbooks/pytorch.yml installs it)",
+        ),
+        (
+            "Traceback (most recent call last):\nModuleNotFoundError: No module named 'ddp_train'\n",
+            "ModuleNotFoundError: No module named 'ddp_train'",
+        ),  # fmt: skip
+    ],
+)
+def test_a_job_that_failed_before_its_driver_started_shows_the_batch_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, output: str, failure: str
+) -> None:
+    """The batch script's interpreter missing on the node: Slurm says only FAILED, exit 2, and no node log
+    exists; the batch output file (scontrol's StdOut) says why, and the failure names the fix."""
+    inv = inventory(tmp_path)
+    plan = build_plan(load_nodes([inv]), Options(job_id="sf"))
+    b = backend(tmp_path)
+    b.stop_sent = False
+    fake = FakeSession(
+        {
+            "squeue": (0, ""),
+            "scontrol": (
+                0,
+                "JobId=7 JobState=FAILED Reason=NonZeroExitCode NodeList=n0 BatchHost=n0 "
+                "ExitCode=2:0 StdOut=/root/ddp-slurm-7.out",
+            ),  # fmt: skip
+            "tail -n 5 -- /root/ddp-slurm-7.out": (0, output),
+        }
+    )
+    notes: list[str] = []
+    lines: list[tuple[str, str, str]] = []
+    b.log = argparse.Namespace(note=notes.append, line=lambda *a: lines.append(a))  # type: ignore[assignment]
+    monkeypatch.setattr(b, "_session", lambda: fake)
+    monkeypatch.setattr(b.pool, "get", lambda node: fake)
+    monkeypatch.setattr(submit.jobctl, "read_logs", lambda *a: {})
+    res = b._follow(plan, lambda state: None)
+    assert (res.code, res.first_failure) == (2, failure), notes
+    assert "Slurm job 7 failed before its driver started; /root/ddp-slurm-7.out on n0:" in notes
+    assert [text for _, label, text in lines if label == "n0 batch"] == output.strip().splitlines()
+    assert notes[-1] == f"Slurm job 7 FAILED: {failure}"

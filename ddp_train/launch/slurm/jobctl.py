@@ -34,6 +34,7 @@ class SlurmState:
     nodes: str = ""
     batch_host: str = ""
     exit_code: int | None = None  # once ended: the batch script's exit code (128 + N after signal N)
+    stdout: str = ""  # the batch script's output file (scontrol's StdOut, while Slurm remembers the job)
 
     @property
     def pending(self) -> bool:
@@ -66,6 +67,7 @@ def query(session: Session, slurm_id: str) -> SlurmState:
             f.get("NodeList", ""),
             f.get("BatchHost", ""),
             _exit(f.get("ExitCode", "")),
+            f.get("StdOut", ""),
         )
     rc, out = session.exec(
         f"sacct --noheader --parsable2 --allocations --jobs={shlex.quote(slurm_id)} "

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import base64
 import json
+import re
+import shlex
 import signal
 import time
 from collections.abc import Callable
@@ -120,6 +122,9 @@ def preflight(session: Session, s: SlurmSettings, nodes: int) -> list[str]:
         if cap is not None and (minutes(s.time) or 0) > cap:
             problems.append(f"--time {s.time} is over partition {name}'s MaxTime {limit}")
     return problems
+
+
+BAD_INTERPRETER = re.compile(r"bad interpreter\(([^)]+)\)")
 
 
 class SlurmBackend:
@@ -279,10 +284,43 @@ class SlurmBackend:
             code, stopped = exitcodes.SIGTERM, True
         reason = s.line(slurm_id)
         failure = None if code in (0, exitcodes.SIGTERM) else (self.gone or reason)
-        if failure and self.gone:
-            log.note(f"Slurm job {slurm_id} FAILED: {self.gone}")
+        early = (
+            self._batch_output(plan, s, nodes.get(s.batch_host or batch)) if failure and not offsets else ""
+        )
+        if failure and (self.gone or early):
+            failure = self.gone or early
+            log.note(f"Slurm job {slurm_id} FAILED: {failure}")
         elapsed = time.monotonic() - t0
         return JobResult(code, reason, stopped and code == exitcodes.SIGTERM, failure, {}, elapsed)
+
+    def _batch_output(self, plan: JobPlan, s: jobctl.SlurmState, batch: Any) -> str:
+        """A job that failed before the driver wrote a line (the batch script's Python missing on the node,
+        the driver failing to import): the batch output's last lines, said, and the failure's one line."""
+        from ddp_train.launch.remote.remote import RemoteError
+
+        if batch is None:
+            return ""
+        name = f"ddp-slurm-{self.slurm_id}.out"
+        path = s.stdout or (f"{plan.nodes[0].cwd.rstrip('/')}/{name}" if plan.nodes[0].cwd else f"~/{name}")
+        where = shlex.quote(path) if not path.startswith("~/") else f'"$HOME"/{shlex.quote(path[2:])}'
+        try:
+            rc, out = self.pool.get(batch).exec(f"tail -n 5 -- {where}", 20)
+        except RemoteError:
+            return ""
+        lines = [ln.strip() for ln in out.splitlines() if ln.strip()] if rc == 0 else []
+        if not lines:
+            return ""
+        self.log.note(f"Slurm job {self.slurm_id} failed before its driver started; {path} on {batch.name}:")
+        for line in lines:
+            self.log.line(batch.name, f"{batch.name} batch", line)
+        # slurmstepd's own line when the #! interpreter is missing: "execve(): bad interpreter(PATH): ..."
+        missing = next((m.group(1) for ln in lines if (m := BAD_INTERPRETER.search(ln))), None)
+        if missing:
+            return (
+                f"{batch.name} has no {missing}, the batch script's interpreter: set ddp_venv to the "
+                "training venv every node has (playbooks/pytorch.yml installs it)"
+            )
+        return lines[-1]
 
     def _copy_logs(self, batch: Any, plan: JobPlan, offsets: dict[str, int]) -> None:
         directory = log_dir(plan.nodes[0].cwd, self.slurm_id)
