@@ -336,3 +336,27 @@ def test_traceback_bodies_stay_hidden_when_other_ranks_lines_interleave(tmp_path
             log.line("n0", "n0 r0", line)
         log.close()
     assert console.read_text().splitlines() == [f"[n0 r0] {lines[i]}" for i in (1, 4, 6, 9)]
+
+
+def test_a_traceback_torchs_logger_prints_line_by_line_is_hidden_but_its_exception(tmp_path: Path) -> None:
+    """torchrun's agent logs its exit barrier's traceback with a glog prefix on every line (seen at the end
+    of a Slurm job that had finished): only the logged error and the exception line reach the console."""
+    pre = "E1205 05:50:45.545000 23051 torch/distributed/elastic/agent/server/api.py:1008] "
+    lines = [
+        pre + "Error waiting on exit barrier. Elapsed: 0.013287782669067383 seconds",
+        pre + "Traceback (most recent call last):",
+        pre + '  File "/v/torch/distributed/elastic/agent/server/api.py", line 994, in _exit_barrier',
+        pre + "    store_util.barrier(",
+        "W1205 05:50:45.546000 23052 torch/distributed/run.py:80] another process's line between them",
+        pre + '  File "/v/torch/distributed/elastic/utils/store.py", line 201, in barrier',
+        pre + "    store.wait([last_member_key])",
+        pre + "torch.distributed.DistNetworkError: Failed to recv, got 0 bytes.",
+    ]
+    console = tmp_path / "console.txt"
+    with console.open("w") as out:
+        log = JobLog(tmp_path / "logs", "j", console=out)
+        for line in lines:
+            log.line("node2", "node2 r2", line)
+        log.close()
+    assert console.read_text().splitlines() == [f"[node2 r2] {lines[i]}" for i in (0, 4, 7)]
+    assert log.hidden == {"node2": 5}

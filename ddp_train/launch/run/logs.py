@@ -46,6 +46,9 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")  # what may appear in a log file name a
 # Kept off the console (the host log has them): the body of a Python traceback up to its exception line,
 # which is shown, and the C++ frames c10d prints under a warning.
 _RANK_PREFIX = re.compile(r"^\[(?:rank\d+|default\d*)\]: ?")  # torch's "[rank1]: " before worker lines
+# torch's own logger (torchelastic, glog style) before each line it logs, a traceback's too:
+# "E1205 05:50:45.545000 23051 torch/distributed/elastic/agent/server/api.py:1008] "; its PID keys the state.
+_TORCH_LOG_PREFIX = re.compile(r"^[DIWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +(\d+) \S+:\d+\] ")
 _TRACEBACK_START = re.compile(
     r"^(Traceback \(most recent call last\):|During handling of the above exception|"
     r"The above exception was the direct cause|Exception ignored in)"
@@ -139,10 +142,12 @@ class JobLog:
 
     def _traceback_line(self, host: str, text: str) -> bool:  # with the lock held
         """True for a line inside a traceback (its exception line excepted) or a C++ frame. The state is
-        per rank where torch prefixes the lines with `[rankN]: `: the ranks of a host interleave."""
+        per rank where torch prefixes the lines with `[rankN]: `: the ranks of a host interleave; per
+        process for the lines torch's logger prefixes (torchrun's agent logging a traceback)."""
         prefix = _RANK_PREFIX.match(text)
-        key = f"{host}\0{prefix.group(0).strip() if prefix else ''}"
-        body = text[prefix.end() :] if prefix else text
+        logged = None if prefix else _TORCH_LOG_PREFIX.match(text)
+        key = f"{host}\0{prefix.group(0).strip() if prefix else f'log{logged.group(1)}' if logged else ''}"
+        body = text[prefix.end() :] if prefix else text[logged.end() :] if logged else text
         if _TRACEBACK_START.match(body) or _CPP_FRAME.match(body):
             self._in_traceback[key] = True
             return True
