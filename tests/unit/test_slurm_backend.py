@@ -329,11 +329,17 @@ def test_the_launchers_stop_cancels_a_pending_job(
     notes: list[str] = []
     b.log = argparse.Namespace(note=notes.append, line=lambda *a: None)  # type: ignore[assignment]
     monkeypatch.setattr(b, "_session", lambda: fake)
+    monkeypatch.setattr(b.pool, "get", lambda node: fake)
     monkeypatch.setattr(submit.time, "sleep", lambda s: None)
-    monkeypatch.setattr(submit.jobctl, "read_logs", lambda *a: {})
+    stopped = "".join(f"ddp-train: stopped rank={r} world=2 step=41 signal=SIGTERM\n" for r in (0, 1))
+    ran = "RUNNING" in states  # a job cancelled while pending started no rank
+    reads = iter([{}, {"r0-n0.log": (len(stopped), stopped)}] if ran else [])
+    monkeypatch.setattr(submit.jobctl, "read_logs", lambda *a: next(reads, {}))
     res = b._follow(plan, lambda state: None)
     assert scancels(fake) == sent
     assert (res.code, res.stopped_cleanly) == (143, True), notes
+    said = "Slurm job 7 stopped after step 41: every rank finished its step and saved; the same command"
+    assert notes[-1].startswith(said) if ran else said not in " ".join(notes), notes
 
 
 def test_sync_needs_one_workdir_path_on_every_node_and_submits_nothing_otherwise(tmp_path: Path) -> None:

@@ -290,6 +290,13 @@ class SlurmBackend:
         if failure and (self.gone or early):
             failure = self.gone or early
             log.note(f"Slurm job {slurm_id} FAILED: {failure}")
+        if code == exitcodes.SIGTERM and len(world) == 1 and len(ranks) in world:
+            # Slurm calls a batch script that exited 143 FAILED: say what it was, as the SSH backend does
+            steps = ", ".join(sorted({str(r.step) for r in self.stopped}))
+            log.note(
+                f"Slurm job {slurm_id} stopped after step {steps}: every rank finished its step and saved; "
+                "the same command resumes from it"
+            )
         elapsed = time.monotonic() - t0
         return JobResult(code, reason, stopped and code == exitcodes.SIGTERM, failure, {}, elapsed)
 
