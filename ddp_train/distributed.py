@@ -111,6 +111,29 @@ def wrap(model: nn.Module, env: DistEnv, device: torch.device) -> nn.Module:
     return DDP(model, device_ids=ids, gradient_as_bucket_view=True)
 
 
+def settle_buckets(model: nn.Module, loss: Callable[[], torch.Tensor], device: torch.device) -> None:
+    """Before a resumed run's first step: one forward and backward of a zero loss, so that its first real
+    step reduces exactly as that step did in the run it resumes. DDP's first backward in a process
+    all-reduces every gradient as one bucket (initial bucketing is off, distributed.py
+    _BucketCapacityConfig.compute_bucket_size_limits), scales it g * (1/N) while copying it into the bucket,
+    then rebuilds the buckets in gradient-ready order; later steps reduce in those buckets and scale g / N
+    in place (reducer.cpp mark_variable_ready_dense). With 3 or more ranks another bucket layout sums the
+    ranks in another order and 1/N is inexact, so without this a resume drifted in the last bits from
+    its first step on (3 ranks: equal parameters at the saved step, different one step later). The
+    gradients it leaves are zeros in the buckets' views; RNG streams and buffers are put back."""
+    if not isinstance(model, DDP):
+        return
+    buffers = [b.detach().clone() for b in model.module.buffers()]
+    with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        (loss() * 0).backward()
+    with torch.no_grad():
+        for buf, saved in zip(model.module.buffers(), buffers, strict=True):
+            buf.copy_(saved)
+        for p in model.module.parameters():
+            if p.grad is not None:
+                p.grad.zero_()  # in place: the gradients stay views of the buckets, as after a step
+
+
 def no_sync(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager[Any]]:
     """What the micro-steps before the last one of an optimizer step run under: DDP's no_sync (their
     backward accumulates locally, only the last one averages over ranks), else nothing."""

@@ -96,6 +96,18 @@ class GarbageCollection:
             gc.enable()
 
 
+def input_pair(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (isinstance(batch, (list, tuple)) and len(batch) == 2):
+        raise ConfigError("config", "data", "dataset items must be (inputs, targets) pairs")
+    return batch[0], batch[1]
+
+
+def scalar_loss(loss: Any) -> torch.Tensor:
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+        raise ConfigError("config", "model", "forward(inputs, targets) must return a scalar loss")
+    return loss
+
+
 class Trainer:
     """One rank's training job; `fit()` returns the process exit code.
 
@@ -131,7 +143,8 @@ class Trainer:
         self.evaluator = Evaluator.from_config(cfg, val_set, env, device) if val_set is not None else None
         self.batches = train_batches(cfg, train_set, env.rank, env.world_size, device, self.hooks.index_log)
         self.checkpoints = Checkpointer.from_config(cfg, env, self.hooks.save_delay_s)
-        if not self._resume():
+        resumed = self._resume()
+        if not resumed:
             checkpoint.seed_rng(cfg.seed + env.rank)
         # validation needs no DDP: no gradient, so no reducer or buffer broadcast
         self.eval_model: nn.Module = torch.compile(self.model) if t.compile else self.model
@@ -141,6 +154,8 @@ class Trainer:
         self.timeouts = distributed.CompileTimeouts(cfg.dist, t.compile, env.distributed)
         # once: evaluate() puts the mode back (a train() per step walked every module)
         self.train_model.train()
+        if resumed and not t.compile:  # a bit-exact resume for any world size (compiled: not promised)
+            distributed.settle_buckets(self.train_model, lambda: self._first_items_loss(train_set), device)
         self.flops_per_token = flops_per_token(self.model)
         # the peak of the precision the matmuls run at (fp32 runs as TF32: optim.mixed_precision)
         self.peak = device_peak_flops(device, cfg.log.peak_tflops, t.precision)
@@ -196,9 +211,7 @@ class Trainer:
             # gradients are averaged over ranks in the last micro-step's backward only
             with self._no_sync() if micro < t.grad_accum_steps - 1 else contextlib.nullcontext():
                 with self.autocast:
-                    loss = self.train_model(x, y)
-                if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
-                    raise ConfigError("config", "model", "forward(inputs, targets) must return a scalar loss")
+                    loss = scalar_loss(self.train_model(x, y))
                 self.scaler.scale(loss / t.grad_accum_steps).backward()
             loss_sum += loss.detach().float() / t.grad_accum_steps
             tokens += y.numel()
@@ -212,11 +225,16 @@ class Trainer:
         self.scheduler.step()
         return loss_sum, gnorm, tokens
 
+    def _first_items_loss(self, dataset: Any) -> torch.Tensor:
+        """The loss of the dataset's first batch_size items, drawn without the sampler (which stays where
+        the checkpoint left it)."""
+        n = min(self.cfg.train.batch_size, len(dataset))
+        x, y = input_pair(torch.utils.data.default_collate([dataset[i] for i in range(n)]))
+        with self.autocast:
+            return scalar_loss(self.train_model(x.to(self.device), y.to(self.device)))
+
     def _micro_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        batch = self.batches.next()
-        if not (isinstance(batch, (list, tuple)) and len(batch) == 2):
-            raise ConfigError("config", "data", "dataset items must be (inputs, targets) pairs")
-        x, y = batch
+        x, y = input_pair(self.batches.next())
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def _exchange(

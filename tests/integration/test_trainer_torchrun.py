@@ -1,4 +1,5 @@
-"""The trainer under real torchrun (2 processes, gloo, CPU): learning, sharding, resume, SIGTERM."""
+"""The trainer under real torchrun (2 processes, 3 for one resume, gloo, CPU): learning, sharding, resume,
+SIGTERM."""
 
 from __future__ import annotations
 
@@ -97,6 +98,22 @@ def test_stop_at_10_then_resume_to_20_is_bit_exact(work, straight):
     assert second.returncode == 0, describe(second)
     assert "resumed from" in second.stderr and "step-00000010.pt" in second.stderr
     assert parse_finals(second.stdout).sha == parse_finals(straight[0].stdout).sha
+
+
+@pytest.mark.slow
+def test_three_ranks_resume_bit_exact_too(work):
+    """3 ranks: DDP's first step in a process reduces in one bucket and scales g * (1/3), later steps in
+    the rebuilt buckets and g / 3; a resumed process settles its buckets first (settle_buckets), so its
+    first step reduces as step 11 did in the straight run (without it: equal at step 10, not at 11)."""
+    straight3 = run_torchrun([*COMMON, *sets(run__dir="straight3")], cwd=work, nproc=3)
+    assert straight3.returncode == 0, describe(straight3)
+    first = run_torchrun([*COMMON, *sets(run__dir="split3", train__max_steps=10)], cwd=work, nproc=3)
+    assert first.returncode == 0, describe(first)
+    second = run_torchrun([*COMMON, *sets(run__dir="split3")], cwd=work, nproc=3)
+    assert second.returncode == 0, describe(second)
+    assert "resumed from" in second.stderr and "step-00000010.pt" in second.stderr
+    finals = parse_finals(second.stdout)
+    assert sorted(finals.by_rank) == [0, 1, 2] and finals.sha == parse_finals(straight3.stdout).sha
 
 
 @pytest.mark.slow
