@@ -25,6 +25,7 @@ from tests.ansible.conftest import REPO_ROOT, tool_env
 from tests.cluster.test_launch_sync_testbed import HELPER, SEED_FINAL, SEED_SCRIPT, launch_user_script
 from tests.cluster.test_launch_testbed import FINAL, SLOW, Launcher
 from tests.conftest import private_testbed
+from tests.integration.trainrun import parse_finals, run_torchrun
 from tests.testbed import Testbed, worker_net, worker_prefix
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
@@ -266,7 +267,8 @@ def test_the_in_job_preflight_refuses_a_node_whose_name_resolves_to_loopback(clu
 
 def test_usr1_before_the_time_limit_with_requeue_saves_requeues_and_resumes(cluster) -> None:
     """What --signal=B:USR1@lead does before the time limit, sent at once with `scancel --batch
-    --signal=USR1` (as the time limit would, up to a minute early: sbatch(1) --signal)."""
+    --signal=USR1` (as the time limit would, up to a minute early: sbatch(1) --signal): every rank saves,
+    the job is requeued, resumes from that step and ends with the parameters of an uninterrupted run."""
     tb, root = cluster
     inv = str(root / "inventory")
     train = ["--set", "train.max_steps=300", "--set", "debug.step_delay_s=0.2", "--set", "run.dir=runs-sl-rq"]
@@ -292,6 +294,11 @@ def test_usr1_before_the_time_limit_with_requeue_saves_requeues_and_resumes(clus
     ]
     assert len({sha for *_, sha in finals}) == 1
     assert re.findall(rf"Slurm job {slurm_id}: (\w+)", run.text)[-1] == "COMPLETED", run.text
+    # #28: the same parameters as an uninterrupted run: 3 ranks of the same trainer under torchrun here
+    # (debug.step_delay_s changes no number)
+    straight = run_torchrun(train[:2] + ["--set", f"run.dir={root / 'runs-sl-rq-straight'}"], root, nproc=3)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert finals[0][-1] == parse_finals(straight.stdout).sha[:16], (finals, straight.stdout[-1000:])
 
 
 def test_the_real_time_limit_stops_saves_and_the_requeued_job_resumes(cluster) -> None:
