@@ -9,8 +9,12 @@ checkpoint; 1 any other failure.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
+import os
 import sys
 import warnings
+from typing import NoReturn
 
 from ddp_train import exitcodes
 from ddp_train.cliargs import Parser
@@ -67,5 +71,22 @@ def main(argv: list[str] | None = None) -> int:
     return run(cfg, source=args.config or str(DEFAULT_CONFIG_PATH))
 
 
+def exit_now(code: int) -> NoReturn:
+    """End a rank of a multi-rank run without interpreter finalization, once everything is written.
+    torch 2.13, gloo + DDP: a gloo worker thread can free a finished operation after finalization
+    began, needs the GIL and the C++ runtime aborts the process ("terminate called without an active
+    exception", SIGABRT) after the rank finished and returned its exit code, so torchrun reports the
+    job FAILED (pytorch/pytorch PR #179291; docs/launcher.md). run() has closed its files and left the
+    process group by now; what is still buffered is flushed here."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    if os.environ.get("WORLD_SIZE", "1").isdigit() and int(os.environ["WORLD_SIZE"]) > 1:
+        exit_now(exit_code)
+    sys.exit(exit_code)
