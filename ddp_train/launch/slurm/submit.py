@@ -278,7 +278,8 @@ class SlurmBackend:
             time.sleep(POLL_S)
         code = jobctl.exit_code(s) if s.ended or self.done is None else self.done  # done, still COMPLETING
         world, ranks = {r.world for r in self.stopped}, {r.rank for r in self.stopped}
-        if s.state.startswith("CANCELLED") and len(world) == 1 and len(ranks) in world:
+        every_rank_stopped = len(world) == 1 and len(ranks) in world
+        if s.state.startswith("CANCELLED") and every_rank_stopped:
             # A plain `scancel JOB` (or `stop`): every rank finished its step and saved. Slurm's ExitCode
             # then says only how the batch script was ended (0:9 when killed with the job), not how it went.
             code, stopped = exitcodes.SIGTERM, True
@@ -290,7 +291,7 @@ class SlurmBackend:
         if failure and (self.gone or early):
             failure = self.gone or early
             log.note(f"Slurm job {slurm_id} FAILED: {failure}")
-        if code == exitcodes.SIGTERM and len(world) == 1 and len(ranks) in world:
+        if code == exitcodes.SIGTERM and every_rank_stopped:
             # Slurm calls a batch script that exited 143 FAILED: say what it was, as the SSH backend does
             steps = ", ".join(sorted({str(r.step) for r in self.stopped}))
             log.note(
