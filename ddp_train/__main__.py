@@ -87,6 +87,7 @@ def exit_now(code: int) -> NoReturn:
 
 if __name__ == "__main__":
     exit_code = main()
-    if os.environ.get("WORLD_SIZE", "1").isdigit() and int(os.environ["WORLD_SIZE"]) > 1:
+    world_size = os.environ.get("WORLD_SIZE", "1")
+    if world_size.isdigit() and int(world_size) > 1:
         exit_now(exit_code)
     sys.exit(exit_code)
