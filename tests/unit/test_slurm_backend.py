@@ -342,6 +342,34 @@ def test_the_launchers_stop_cancels_a_pending_job(
     assert notes[-1].startswith(said) if ran else said not in " ".join(notes), notes
 
 
+def test_the_stops_of_a_requeued_attempt_do_not_make_a_later_cancel_clean(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """USR1 stopped and saved every rank, the driver requeued the job; the next attempt is cancelled
+    with only rank 0 stopped: not a clean stop, and no 'every rank ... saved' line from the old stops."""
+    inv = inventory(tmp_path)
+    plan = build_plan(load_nodes([inv]), Options(job_id="sj"))
+    b = backend(tmp_path)
+    b.stop_sent = False
+    fake = SeqSession(["RUNNING", "RUNNING", "RUNNING", "CANCELLED"])
+    notes: list[str] = []
+    b.log = argparse.Namespace(note=notes.append, line=lambda *a: None)  # type: ignore[assignment]
+    monkeypatch.setattr(b, "_session", lambda: fake)
+    monkeypatch.setattr(b.pool, "get", lambda node: fake)
+    monkeypatch.setattr(submit.time, "sleep", lambda s: None)
+    old = "".join(f"ddp-train: stopped rank={r} world=2 step=41 signal=SIGUSR1\n" for r in (0, 1))
+    requeued = "ddp-slurm: job 7: requeued (1/1); it resumes from the newest checkpoint\n"
+    new = "ddp-train: stopped rank=0 world=2 step=90 signal=SIGTERM\n"
+    reads = iter(
+        [{"r0-n0.log": (len(old), old), "driver.log": (len(requeued), requeued)}, {"r0-n0.log": (99, new)}]
+    )
+    monkeypatch.setattr(submit.jobctl, "read_logs", lambda *a: next(reads, {}))
+    res = b._follow(plan, lambda state: None)
+    assert [(r.rank, r.step) for r in b.stopped] == [(0, 90)]
+    assert not res.stopped_cleanly, (res, notes)
+    assert not any("every rank finished its step" in n for n in notes), notes
+
+
 def test_sync_needs_one_workdir_path_on_every_node_and_submits_nothing_otherwise(tmp_path: Path) -> None:
     """One batch script has one --chdir: nodes whose synced copies would lie in different directories
     are refused in one line, before any node is touched."""

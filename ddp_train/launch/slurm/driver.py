@@ -48,9 +48,10 @@ PROBE_TIMEOUT_S = 180  # the in-job preflight step: the probe allows itself 120 
 DRIVER = "ddp_train.launch.slurm.driver"
 SRUN_WAIT_S = 60  # srun --wait: the other tasks' end after the first one exited
 RUNNING_TASKS = re.compile(r"StepId=\S+ tasks? ([\d,-]+): running")
-# The driver's lines the launcher acts on (submit.py): its last one unless requeued, and the one naming
-# nodes that went away without an exit status.
+# The driver's lines the launcher acts on (submit.py): its last one, the requeue (the ranks' stops before
+# it were the earlier attempt's) and the one naming nodes that went away without an exit status.
 DONE = re.compile(r"^ddp-slurm: job \d+: done, exit (\d+)$")
+REQUEUED = re.compile(r"^ddp-slurm: job \d+: requeued \(")
 GONE = re.compile(r"^ddp-slurm: job \d+: (.* did not end with the other nodes .*)$")
 
 

@@ -30,7 +30,7 @@ from ddp_train.launch.run.logs import JobLog
 from ddp_train.launch.run.report import JobResult
 from ddp_train.launch.run.trainerlog import Stopped, parse_stopped
 from ddp_train.launch.slurm import jobctl
-from ddp_train.launch.slurm.driver import DONE, GONE, log_dir
+from ddp_train.launch.slurm.driver import DONE, GONE, REQUEUED, log_dir
 from ddp_train.launch.slurm.settings import SlurmSettings, minutes
 
 if TYPE_CHECKING:
@@ -293,7 +293,7 @@ class SlurmBackend:
             log.note(f"Slurm job {slurm_id} FAILED: {failure}")
         if code == exitcodes.SIGTERM and every_rank_stopped:
             # Slurm calls a batch script that exited 143 FAILED: say what it was, as the SSH backend does
-            steps = ", ".join(sorted({str(r.step) for r in self.stopped}))
+            steps = ", ".join(str(step) for step in sorted({r.step for r in self.stopped}))
             log.note(
                 f"Slurm job {slurm_id} stopped after step {steps}: every rank finished its step and saved; "
                 "the same command resumes from it"
@@ -341,6 +341,8 @@ class SlurmBackend:
             self.stopped += parse_stopped(lines)
             if host == "driver":
                 for line in lines:
+                    if REQUEUED.match(line):  # the ranks' stops so far were the earlier attempt's
+                        self.stopped = []
                     if m := DONE.match(line):
                         self.done = int(m.group(1))
                     elif m := GONE.match(line):
