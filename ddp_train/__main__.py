@@ -85,9 +85,15 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
-if __name__ == "__main__":
-    exit_code = main()
+def entry() -> NoReturn:
+    """`ddp-train` and `python -m ddp_train`: main(), then a rank of a multi-rank run ends with exit_now
+    (no WORLD_SIZE: one process, a normal exit)."""
+    code = main()
     world_size = os.environ.get("WORLD_SIZE", "1")
     if world_size.isdigit() and int(world_size) > 1:
-        exit_now(exit_code)
-    sys.exit(exit_code)
+        exit_now(code)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    entry()
