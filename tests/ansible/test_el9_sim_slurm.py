@@ -127,6 +127,12 @@ def test_the_local_and_openhpc_sources_install_from_their_repositories(source, p
         sh(tb, 0, "rm -f /etc/munge/munge.key")
         group_vars = {"slurm_package_source": source, **extra()}
         inv = ["-i", str(tb.inventory), "-i", _slurm_inventory(tmp_path, **group_vars)]
+        # --check on the fresh host: the source's repository (and OpenHPC's epel-release requirement) is
+        # only in the plan, so its packages are said to be unchecked, and nothing is installed.
+        check = playbook(*inv, "--check", "playbooks/slurm.yml")
+        assert check.returncode == 0, check.out[-4000:]
+        assert f"check mode: the {source} repository is not there yet" in check.out, check.out[-4000:]
+        assert sh(tb, 0, "rpm -q epel-release munge", check=False).count("is not installed") == 2
         res = playbook(*inv, "playbooks/slurm.yml")
         assert res.returncode == 0, res.out[-6000:]
         installed = sh(tb, 0, f"dnf -q list --installed {' '.join(wanted)} munge | tail -n +2")
