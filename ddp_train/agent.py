@@ -96,6 +96,13 @@ def main(argv: list[str]) -> int:
     try:
         ending = _run_torchrun(argv)
     finally:
+        # The workers are gone and the ending decided. A later stop signal (the launcher's stop reaching
+        # the node's session once more) would now meet torchrun's handler, a traceback, or, once Python
+        # finalizes and restores the default handlers it set, kill this process (seen under load: the
+        # node's status 'setsid: child did not exit normally' instead of the agent's line and exit 143).
+        # Ignored handlers are left as they are at finalization.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
         if lifeline is not None:
             lifeline.finish()  # the relay drains first: the agent's line is the node's last one
         if private:
