@@ -353,21 +353,24 @@ def test_the_stops_of_a_requeued_attempt_do_not_make_a_later_cancel_clean(
     b.stop_sent = False
     fake = SeqSession(["RUNNING", "RUNNING", "RUNNING", "CANCELLED"])
     notes: list[str] = []
-    b.log = argparse.Namespace(note=notes.append, line=lambda *a: None)  # type: ignore[assignment]
+    said: list[tuple[str, ...]] = []
+    b.log = argparse.Namespace(note=notes.append, line=lambda *a: said.append(a))  # type: ignore[assignment]
     monkeypatch.setattr(b, "_session", lambda: fake)
     monkeypatch.setattr(b.pool, "get", lambda node: fake)
     monkeypatch.setattr(submit.time, "sleep", lambda s: None)
     old = "".join(f"ddp-train: stopped rank={r} world=2 step=41 signal=SIGUSR1\n" for r in (0, 1))
     requeued = "ddp-slurm: job 7: requeued (1/1); it resumes from the newest checkpoint\n"
     new = "ddp-train: stopped rank=0 world=2 step=90 signal=SIGTERM\n"
+    # one read: driver.log first (read_logs reads it first), the ranks' stops written before its requeue line
     reads = iter(
-        [{"r0-n0.log": (len(old), old), "driver.log": (len(requeued), requeued)}, {"r0-n0.log": (99, new)}]
+        [{"driver.log": (len(requeued), requeued), "r0-n0.log": (len(old), old)}, {"r0-n0.log": (99, new)}]
     )
     monkeypatch.setattr(submit.jobctl, "read_logs", lambda *a: next(reads, {}))
     res = b._follow(plan, lambda state: None)
     assert [(r.rank, r.step) for r in b.stopped] == [(0, 90)]
     assert not res.stopped_cleanly, (res, notes)
     assert not any("every rank finished its step" in n for n in notes), notes
+    assert [line[1] for line in said].index("driver") == 2, said  # the ranks' lines are said first
 
 
 def test_sync_needs_one_workdir_path_on_every_node_and_submits_nothing_otherwise(tmp_path: Path) -> None:

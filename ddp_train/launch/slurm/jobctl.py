@@ -137,7 +137,8 @@ _READ = r"""
 import json, os, sys
 d, offsets = sys.argv[1], json.loads(sys.stdin.readline())
 out = {}
-for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+# driver.log first: a line of the ranks the driver wrote before its own newest line is then read too
+for name in sorted(os.listdir(d), key=lambda n: (n != "driver.log", n)) if os.path.isdir(d) else []:
     if name.endswith(".log"):
         with open(os.path.join(d, name), "rb") as f:
             f.seek(offsets.get(name, 0))

@@ -30,7 +30,7 @@ from ddp_train.launch.run.logs import JobLog
 from ddp_train.launch.run.report import JobResult
 from ddp_train.launch.run.trainerlog import Stopped, parse_stopped
 from ddp_train.launch.slurm import jobctl
-from ddp_train.launch.slurm.driver import DONE, GONE, REQUEUED, log_dir
+from ddp_train.launch.slurm.driver import DONE, DRIVER_LOG, GONE, REQUEUED, log_dir
 from ddp_train.launch.slurm.settings import SlurmSettings, minutes
 
 if TYPE_CHECKING:
@@ -334,7 +334,10 @@ class SlurmBackend:
         directory = log_dir(plan.nodes[0].cwd, self.slurm_id)
         python = f"{plan.nodes[0].node.venv.rstrip('/')}/bin/python"
         got = jobctl.read_logs(self.pool.get(batch), python, directory, offsets)
-        for name, (offset, text) in got.items():
+        # The ranks' files before the driver's: the driver wrote every line of an attempt before its
+        # requeue or done line, and read_logs read driver.log first, so what the ranks printed before
+        # that line is here, said before it and counted for the attempt it belongs to.
+        for name, (offset, text) in sorted(got.items(), key=lambda item: item[0] == DRIVER_LOG):
             offsets[name] = offset
             host, label = jobctl.label(name)
             lines = text.splitlines()
