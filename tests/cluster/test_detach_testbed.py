@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.ansible.conftest import run, tool_env
-from tests.cluster.test_launch_testbed import LAUNCH, job_pids, make_inventory
+from tests.cluster.test_launch_testbed import LAUNCH, job_pids, kill_job, make_inventory
 from tests.conftest import private_testbed
 from tests.testbed import Testbed, worker_net, worker_prefix
 
@@ -105,12 +105,6 @@ def controller_sessions(tb: Testbed) -> list[int]:
             if line.split()[3].rsplit(":", 1)[0] == tb.bridge_ip:
                 pids += [int(p) for p in re.findall(r"pid=(\d+)", line)]
     return pids
-
-
-def kill_job(job: str) -> None:
-    for pid, _ in job_pids(job):
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
 
 
 def test_the_job_outlives_the_laptop_and_is_found_from_anywhere(bed: Testbed, tmp_path: Path) -> None:

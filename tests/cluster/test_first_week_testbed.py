@@ -22,9 +22,9 @@ import pytest
 import torch
 import yaml
 
-from tests.cluster.test_detach_testbed import controller_sessions, kill_job, provision, state, wait_for
+from tests.cluster.test_detach_testbed import controller_sessions, provision, state, wait_for
 from tests.cluster.test_detach_testbed import launch as run_launch
-from tests.cluster.test_launch_testbed import FINAL, LAUNCH
+from tests.cluster.test_launch_testbed import FINAL, LAUNCH, kill_job
 from tests.cluster.test_stage_testbed import sha
 from tests.conftest import private_testbed
 from tests.integration.corpus import text_corpus

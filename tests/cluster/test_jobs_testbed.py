@@ -3,11 +3,9 @@ blocked rank of three and its stack, and a SIGKILLed detached monitor makes ever
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
@@ -16,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ddp_train import checkpoint
-from tests.cluster.test_launch_testbed import LAUNCH, assert_nothing_left, job_pids, make_inventory
+from tests.cluster.test_launch_testbed import LAUNCH, assert_nothing_left, job_pids, kill_job, make_inventory
 from tests.testbed import Testbed
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
@@ -27,12 +25,6 @@ def launch(args: list[str], cwd: Path, timeout: float = 180) -> subprocess.Compl
         [LAUNCH, *args], cwd=cwd, env=dict(os.environ, OMP_NUM_THREADS="1"),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
     )  # fmt: skip
-
-
-def kill_job(job: str) -> None:
-    for pid, _ in job_pids(job):
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
 
 
 def test_the_stall_watchdog_names_the_blocked_host_and_rank(testbed: Testbed, tmp_path: Path) -> None:
@@ -58,8 +50,7 @@ def test_the_stall_watchdog_names_the_blocked_host_and_rank(testbed: Testbed, tm
 def test_a_killed_detached_monitor_stops_every_host_over_ssh(testbed: Testbed, tmp_path: Path) -> None:
     inv = make_inventory(testbed, tmp_path)
     job = "jt-orphan"
-    for old in Path("/tmp").glob(f"ddp-agent-{job}-*/"):  # the hosts share this machine's /tmp
-        shutil.rmtree(old)
+    kill_job(job)  # an earlier run's agent directories (the hosts share this machine's /tmp)
     args = ["--hosts", str(inv), "--set", "train.max_steps=2000", "--set", "debug.step_delay_s=0.2",
             "--set", "log.interval_steps=2", "--detach", "--monitor-here", "--job-id", job]  # fmt: skip
     try:
@@ -85,5 +76,3 @@ def test_a_killed_detached_monitor_stops_every_host_over_ssh(testbed: Testbed, t
         assert checkpoint.list_checkpoints(ckpts)[-1][0] == int(m.group(1))
     finally:
         kill_job(job)
-        for old in Path("/tmp").glob(f"ddp-agent-{job}-*/"):
-            shutil.rmtree(old)

@@ -23,7 +23,7 @@ import yaml
 
 from tests.ansible.conftest import REPO_ROOT, tool_env
 from tests.cluster.test_launch_sync_testbed import HELPER, SEED_FINAL, SEED_SCRIPT, launch_user_script
-from tests.cluster.test_launch_testbed import FINAL, SLOW, Launcher
+from tests.cluster.test_launch_testbed import FINAL, SLOW, Launcher, kill_job
 from tests.conftest import private_testbed
 from tests.integration.trainrun import parse_finals, run_torchrun
 from tests.testbed import Testbed, worker_net, worker_prefix
@@ -353,6 +353,7 @@ def test_a_node_whose_slurmd_dies_fails_the_job_fast_and_named(cluster) -> None:
         took = time.monotonic() - t0
     finally:
         run.stop()
+        kill_job("sl-dead")  # node2's agent directory: its agent was killed with the node
         tb.exec(node2, "/usr/sbin/slurmd", check=False)
         tb.ssh(tb.hosts()[0], "scontrol update nodename=node2 state=resume", check=False)
     assert code == 1 and took < 120, (took, run.text)

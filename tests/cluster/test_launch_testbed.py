@@ -6,9 +6,11 @@ and /tmp with this machine, so the project's own venv (sys.prefix) is each node'
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -130,6 +132,17 @@ def job_pids(job_id: str) -> list[tuple[int, str]]:
         except OSError:
             continue
     return found
+
+
+def kill_job(job_id: str) -> None:
+    """Test cleanup: SIGKILL every process tagged with the job, by PID (never the thing tested), and
+    remove the job's agent directories (/tmp/ddp-agent-<job>-*: the testbed hosts share this machine's
+    /tmp, and a node killed whole never removes its own)."""
+    for pid, _ in job_pids(job_id):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    for leftover in Path("/tmp").glob(f"ddp-agent-{job_id}-*/"):
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def host_job_pids(tb: Testbed, host: Host, job_id: str) -> list[int]:

@@ -6,11 +6,8 @@ tests and the trainer helpers from tests/integration/trainrun.py; only what they
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
 import secrets
-import signal
 import sys
 import time
 from pathlib import Path
@@ -18,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.cluster.test_launch_testbed import Launcher, job_pids
+from tests.cluster.test_launch_testbed import Launcher, job_pids, kill_job
 from tests.conftest import private_testbed, testbed_missing_reason  # noqa: F401 (re-exported)
 from tests.testbed import free_port
 
@@ -79,13 +76,6 @@ def stop(run: Launcher, job: str) -> None:
     """Test cleanup: a launcher still running tears its job down (Launcher.stop); then kill stragglers."""
     run.stop()
     kill_job(job)
-
-
-def kill_job(job: str) -> None:
-    """SIGKILL every process tagged with the job, by PID (a cleanup path, never the thing tested)."""
-    for pid, _ in job_pids(job):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):  # noqa: ANN001, ANN201
