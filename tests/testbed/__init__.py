@@ -59,6 +59,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PREFIX = os.environ.get("DDP_TESTBED_PREFIX", "tb")
 DEFAULT_NET = os.environ.get("DDP_TESTBED_NET", "10.213.50")
 OVERLAY_DIRS = ("/etc", "/opt", "/root", "/srv", "/home", "/var")
+# Where the hosts' Python keeps the compiled code of Ansible's module payload (tests/testbed/zipcode.py).
+ZIPCODE_CACHE = REPO_ROOT / ".cache" / "testbed-zipcode"
 # EL sim hosts: packages install into /usr and /boot too. /usr first, so the uname shim named in the
 # overlaid /etc/ld.so.preload exists before any later command of the host's setup runs.
 EL_OVERLAY_DIRS = ("/usr", "/boot", *OVERLAY_DIRS)
@@ -138,6 +140,36 @@ def _fresh_root_shell_files(root_upper: Path) -> None:
         default = Path("/usr/share/base-files") / f"dot{name}"  # what Debian's base-files gives root
         text = default.read_text() if default.is_file() else f"# ~/{name} of a testbed host\n"
         (root_upper / name).write_text(text)
+
+
+def _cache_ansible_payload_code(etc_upper: Path) -> None:
+    """Give the host's system Python the payload code cache of tests/testbed/zipcode.py: Debian links
+    /usr/lib/python3.X/sitecustomize.py to /etc/python3.X/sitecustomize.py, and the host's /etc is its
+    own overlay, so its copy (the original lines, then the cache's) reaches that host only. Without
+    the link (another distribution) nothing changes: the modules compile as they would anyway."""
+    here = Path(__file__).resolve().parent
+    for link in Path("/usr/lib").glob("python3.*/sitecustomize.py"):
+        target = Path(os.path.realpath(link))
+        if not link.is_symlink() or target.parent.parent != Path("/etc"):
+            continue
+        copy = etc_upper / target.relative_to("/etc")
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        original = target.read_text() if target.is_file() else ""
+        copy.write_text(
+            f"{original}\n"
+            "# ddp-train testbed (tests/testbed/zipcode.py): Ansible's payload compiled once, not per task.\n"
+            "try:\n"
+            "    import sys as _sys\n"
+            f"    _sys.path.insert(0, {str(here)!r})\n"
+            "    try:\n"
+            "        import zipcode as _zipcode\n"
+            "    finally:\n"
+            "        del _sys.path[0]\n"
+            f"    _zipcode.install({str(ZIPCODE_CACHE)!r})\n"
+            "    _zipcode.take_main_from_stdin()\n"
+            "except Exception:\n"
+            "    pass\n"
+        )
 
 
 def _run(*cmd: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
@@ -415,6 +447,8 @@ SetEnv PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
             upper.mkdir(parents=True, exist_ok=True)
             work.mkdir(parents=True, exist_ok=True)
             setup.append(f"mount -t overlay overlay -o lowerdir={src},upperdir={upper},workdir={work} {src}")
+            if src == "/etc":
+                _cache_ansible_payload_code(upper)
             if src == "/root":
                 _fresh_root_shell_files(upper)
         setup += [
