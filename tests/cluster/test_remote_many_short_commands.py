@@ -34,8 +34,7 @@ def test_parallel_short_commands_keep_every_line_and_exit_status(testbed) -> Non
     finally:
         for s in sessions:
             s.close()
-    # the output ends with the command's own lines (the login shell's rc files may print before them:
-    # root's pyenv rehash complains on the testbed's read-only overlay)
+    # the output ends with the command's own lines (the login shell's rc files may print before them)
     wrong = [
         (i, code, out) for i, code, out in results if code != i % 7 or not out.endswith(f"line-{i}\ntail-{i}")
     ]

@@ -18,6 +18,10 @@ kernel's neighbour table is one per kernel, not per namespace, and n hosts that 
 need ~n x n entries: `up` raises net.ipv{4,6}.neigh.default.gc_thresh1/2/3 for its n hosts and `down`
 restores them, both said on stderr (tests/testbed/neigh.py keeps the count across testbeds in /run).
 
+Each host's root gets a fresh Debian root's ~/.bashrc and ~/.profile (not this machine's, whose
+`pyenv init` cost 0.08 CPU-s per SSH command), and its system Python the payload cache of
+tests/testbed/zipcode.py (Ansible's modules compiled once, not per task; docs/testing.md).
+
 `--os rocky9` makes every host an EL9 simulation host (tests/testbed/el): its overlays also cover
 /usr and /boot, its /etc says Rocky Linux 9.6, its rpmdb and dnf cache live in its own /var, and
 the real dnf 4.14 installs stub packages from local repositories built from el/manifest.yml. Each
