@@ -23,7 +23,8 @@ that a stop ends as one line and an exit code instead of torchrun's traceback:
   broken pipe (`lifeline_log`), so no rank dies on EPIPE while saving.
 - The private directory: `mkdtemp` under $TMPDIR (/tmp), 0700, a random name created by this agent (so
   no other user can have created it first or put a symlink in it, issue #24); the ranks' stack dumps
-  (DDP_STACK_DIR, ddp_train/stackdump.py) and agent.log go there. It is removed at the end when empty.
+  (DDP_STACK_DIR, ddp_train/stackdump.py), agent.log and torchrun's log directory go there. It is
+  removed at the end when nothing but torchrun's log directory is in it.
 
 Only the standard library (and ddp_train.console, which needs no more) is imported before torchrun runs
 (torch comes with torchrun's script).
@@ -36,6 +37,7 @@ import json
 import os
 import runpy
 import select
+import shutil
 import signal
 import sys
 import tempfile
@@ -47,6 +49,7 @@ from ddp_train.console import emit_line
 ENV_LINE_LIMIT = 1 << 20  # one JSON object, the job's environment
 LIFELINE_ENV = "DDP_LIFELINE_S"  # seconds without a byte from the launcher before the node stops itself
 STACK_DIR_ENV = "DDP_STACK_DIR"  # where the ranks write their stack dumps (ddp_train/stackdump.py)
+TORCHRUN_LOGS = "torchelastic_"  # the prefix of torchrun's own log directory (see main)
 
 
 class _Stopped(Exception):
@@ -92,6 +95,13 @@ def main(argv: list[str]) -> int:
     devnull = os.open(os.devnull, os.O_RDONLY)  # workers must not hold the launcher's stdin
     os.dup2(devnull, 0)
     os.close(devnull)
+    if private:
+        # torchrun makes its log directory (the ranks' error files) with mkdtemp(prefix="torchelastic_")
+        # in the temp directory and never removes it (torch 2.13 elastic/multiprocessing/api.py,
+        # DefaultLogsSpecs._make_log_dir): one more /tmp/torchelastic_* per launch on every node. In this
+        # process only, the temp directory is the private one, which _clean empties; the ranks keep
+        # $TMPDIR, and a --log-dir given to torchrun is used as it is.
+        tempfile.tempdir = private
     ending: tuple[int, str | None] = (1, None)
     try:
         ending = _run_torchrun(argv)
@@ -180,13 +190,17 @@ def private_dir(job_id: str) -> str | None:
 
 
 def _clean(directory: str) -> None:
-    """At the end (the workers are gone): the stack dumps go (a killed rank leaves its file), then the
-    directory unless an agent.log stays for whoever looks."""
+    """At the end (the workers are gone): the stack dumps go (a killed rank leaves its file) and
+    torchrun's log directory (its ranks' error files were read when they failed), then the directory
+    unless an agent.log stays for whoever looks."""
     with contextlib.suppress(OSError):
         for name in os.listdir(directory):
-            if name != "agent.log":
+            path = os.path.join(directory, name)
+            if name.startswith(TORCHRUN_LOGS) and os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            elif name != "agent.log":
                 with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(directory, name))
+                    os.unlink(path)
         os.rmdir(directory)
 
 

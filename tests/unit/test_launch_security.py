@@ -351,6 +351,29 @@ def test_the_agent_gives_its_ranks_a_private_stack_directory_and_removes_it(tmp_
     assert not Path(directory).exists()  # removed at the end, the dead rank's dump with it
 
 
+def test_torchruns_log_directory_is_made_in_the_agents_private_directory_and_removed(tmp_path: Path) -> None:
+    """torch's torchrun makes a torchelastic_* log directory (its ranks' error files) in the temp directory
+    and never removes it: without the agent's care, one more in each node's /tmp per launch."""
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import json, os, tempfile\n"
+        "print(json.dumps([os.environ['DDP_STACK_DIR'], os.environ['TORCHELASTIC_ERROR_FILE'],"
+        " tempfile.gettempdir()]))\n"
+    )
+    torchrun = Path(sys.executable).parent / "torchrun"
+    res = subprocess.run(
+        [sys.executable, "-m", "ddp_train.agent", str(torchrun), "--standalone", "--nproc-per-node", "1",
+         str(script)],
+        input="{}\n", capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, TMPDIR=str(tmp_path), DDP_JOB_ID="sec-logs"),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    private, error_file, rank_tmp = json.loads(res.stdout.strip().splitlines()[-1])
+    assert Path(error_file).is_relative_to(private) and Path(private).name.startswith("ddp-agent-sec-logs-")
+    assert rank_tmp == str(tmp_path)  # the ranks keep $TMPDIR
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank.py"]  # nothing of the agent's is left
+
+
 def test_the_leftover_scan_removes_a_killed_agents_empty_private_directory_only(
     tmp_path: Path, unprivileged_user: str
 ) -> None:
@@ -365,6 +388,9 @@ def test_the_leftover_scan_removes_a_killed_agents_empty_private_directory_only(
     for d in made.values():
         d.mkdir(mode=0o700)
         (d / "r0.txt").write_text("")  # the rank's stack dump file (ddp_train/stackdump.py), opened at start
+    logs = made[job] / "torchelastic_a1b2c3d4" / "none_x1y2z3w4" / "attempt_0" / "0"
+    logs.mkdir(parents=True)  # torchrun's log directory (ddp_train/agent.py), with a rank's error file
+    (logs / "error.json").write_text("{}")
     kept_log = tmp_path / f"ddp-agent-{job}-{secrets.token_hex(4)}"
     kept_log.mkdir(mode=0o700)
     (kept_log / "agent.log").write_text("lost the launcher\n")
