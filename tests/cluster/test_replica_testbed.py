@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.cluster.test_launch_testbed import FINAL, Launcher, make_inventory
+from tests.cluster.test_launch_testbed import FINAL, Launcher, kill_job, make_inventory
 from tests.conftest import private_testbed
 from tests.testbed import Testbed, worker_net, worker_prefix
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
+JOBS = ("rep-1", "rep-2")
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,8 @@ def started() -> Iterator[list[Launcher]]:
     yield runs
     for run in runs:
         run.stop()
+    for job in JOBS:  # node1's and node2's agents lost their launcher: each kept its agent.log for us
+        kill_job(job)
 
 
 def test_node0_killed_after_a_save_the_survivors_resume_from_its_replica(
@@ -55,7 +58,7 @@ def test_node0_killed_after_a_save_the_survivors_resume_from_its_replica(
              "--set", "checkpoint.replicas=1", "--set", "log.interval_steps=5"]  # fmt: skip
     base = ["--hosts", str(inv), *train]
 
-    run = Launcher([*base, "--job-id", "rep-1", "--set", "debug.step_delay_s=0.3"], tmp_path)
+    run = Launcher([*base, "--job-id", JOBS[0], "--set", "debug.step_delay_s=0.3"], tmp_path)
     started.append(run)
     run.wait_for(r"\[node0 r0\] .*INFO saved replica node1:step-00000020\.pt in \d", timeout=180)
     for pid in tb.pids(hosts[0]):  # node0 is gone: trainer, torchrun, agent and sshd at once
@@ -70,14 +73,14 @@ def test_node0_killed_after_a_save_the_survivors_resume_from_its_replica(
     info = json.loads((kept / f"{newest.name}.replica.json").read_text())
     assert info["from"] == "node0" and len(info["sha256"]) == 64
 
-    again = Launcher([*base, "--job-id", "rep-2", "--exclude", "node0"], tmp_path)
+    again = Launcher([*base, "--job-id", JOBS[1], "--exclude", "node0"], tmp_path)
     started.append(again)
     code = again.wait(timeout=240)
     out = again.text
     assert code == 0, out
     assert f"MASTER_ADDR {hosts[1].train_ip}: node1's address in ddp_network_cidr" in out, out
     first = next(ln for ln in again.lines if re.match(r"^\[node1 r0\] .* INFO ", ln))
-    resumed = rf"INFO resumed from {re.escape(str(newest))} at step {step} of job rep-1, saved .* ago, "
+    resumed = rf"INFO resumed from {re.escape(str(newest))} at step {step} of job {JOBS[0]}, saved .* ago, "
     assert re.search(resumed + "a replica sent by node0$", first), out
     finals = [m.groups() for m in map(FINAL.match, again.lines) if m]
     assert sorted(f[:5] for f in finals) == [
