@@ -43,9 +43,10 @@ def test_outside_torchrun_it_says_so(monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_two_ranks_under_torchrun_print_one_line_each(venv_bin):
+def test_two_ranks_under_torchrun_print_one_line_each(venv_bin, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    argv = [str(venv_bin / "torchrun"), "--standalone", "--nproc-per-node=2", "-m", "ddp_train.allreduce"]
+    argv = [str(venv_bin / "torchrun"), "--standalone", "--nproc-per-node=2", f"--log-dir={tmp_path}"]
+    argv += ["-m", "ddp_train.allreduce"]
     argv += ["--size-mb=1", "--iters=3"]
     res = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stderr[-3000:]

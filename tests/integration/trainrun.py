@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,10 +31,19 @@ def trainer_env() -> dict[str, str]:
     return env
 
 
+@functools.cache
+def torchrun_logs() -> str:
+    """One directory per test process for torchrun's --log-dir, removed when the process ends: without
+    it torchrun makes a /tmp/torchelastic_* per run and never removes it."""
+    path = tempfile.mkdtemp(prefix="ddp-tests-torchrun-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 def torchrun_cmd(args: list[str], nproc: int = 2) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-        "-m", "ddp_train", *args,
+        "--log-dir", torchrun_logs(), "-m", "ddp_train", *args,
     ]  # fmt: skip
 
 
