@@ -49,7 +49,7 @@ from ddp_train.console import emit_line
 ENV_LINE_LIMIT = 1 << 20  # one JSON object, the job's environment
 LIFELINE_ENV = "DDP_LIFELINE_S"  # seconds without a byte from the launcher before the node stops itself
 STACK_DIR_ENV = "DDP_STACK_DIR"  # where the ranks write their stack dumps (ddp_train/stackdump.py)
-TORCHRUN_LOGS = "torchelastic_"  # the prefix of torchrun's own log directory (see main)
+TORCHRUN_LOGS = "torchrun"  # torchrun's --log-dir in the private directory (see _torchrun_argv)
 
 
 class _Stopped(Exception):
@@ -95,16 +95,9 @@ def main(argv: list[str]) -> int:
     devnull = os.open(os.devnull, os.O_RDONLY)  # workers must not hold the launcher's stdin
     os.dup2(devnull, 0)
     os.close(devnull)
-    if private:
-        # torchrun makes its log directory (the ranks' error files) with mkdtemp(prefix="torchelastic_")
-        # in the temp directory and never removes it (torch 2.13 elastic/multiprocessing/api.py,
-        # DefaultLogsSpecs._make_log_dir): one more /tmp/torchelastic_* per launch on every node. In this
-        # process only, the temp directory is the private one, which _clean empties; the ranks keep
-        # $TMPDIR, and a --log-dir given to torchrun is used as it is.
-        tempfile.tempdir = private
     ending: tuple[int, str | None] = (1, None)
     try:
-        ending = _run_torchrun(argv)
+        ending = _run_torchrun(_torchrun_argv(argv, private))
     finally:
         # The workers are gone and the ending decided. A later stop signal (the launcher's stop reaching
         # the node's session once more) would now meet torchrun's handler, a traceback, or, once Python
@@ -127,6 +120,16 @@ def _report(ending: tuple[int, str | None]) -> int:
     if line:
         emit_line(line, sys.stderr)
     return code
+
+
+def _torchrun_argv(argv: list[str], private: str | None) -> list[str]:
+    """torchrun's argv with --log-dir in the private directory, first: without one torchrun makes its log
+    directory (the ranks' error files) with mkdtemp(prefix="torchelastic_") in /tmp and never removes it
+    (torch 2.13 elastic/multiprocessing/api.py, DefaultLogsSpecs), one more per launch on every node.
+    A --log-dir of the user's comes later and wins (argparse keeps an option's last value)."""
+    if not private:
+        return argv
+    return [argv[0], "--log-dir", os.path.join(private, TORCHRUN_LOGS), *argv[1:]]
 
 
 def _run_torchrun(argv: list[str]) -> tuple[int, str | None]:
@@ -196,7 +199,7 @@ def _clean(directory: str) -> None:
     with contextlib.suppress(OSError):
         for name in os.listdir(directory):
             path = os.path.join(directory, name)
-            if name.startswith(TORCHRUN_LOGS) and os.path.isdir(path) and not os.path.islink(path):
+            if name == TORCHRUN_LOGS and os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path, ignore_errors=True)
             elif name != "agent.log":
                 with contextlib.suppress(OSError):

@@ -374,6 +374,20 @@ def test_torchruns_log_directory_is_made_in_the_agents_private_directory_and_rem
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank.py"]  # nothing of the agent's is left
 
 
+def test_a_log_dir_given_to_torchrun_wins_over_the_agents() -> None:
+    from torch.distributed.run import get_args_parser
+
+    from ddp_train.agent import _torchrun_argv
+
+    argv = _torchrun_argv(["/venv/bin/torchrun", "--nnodes", "1", "-m", "ddp_train"], "/tmp/ddp-agent-j-x")
+    assert get_args_parser().parse_args(argv[1:]).log_dir == "/tmp/ddp-agent-j-x/torchrun"
+    mine = ["/venv/bin/torchrun", "--log-dir", "/scratch/logs", "-m", "ddp_train", "--log-dir", "trainer's"]
+    assert (
+        get_args_parser().parse_args(_torchrun_argv(mine, "/tmp/ddp-agent-j-x")[1:]).log_dir
+        == "/scratch/logs"
+    )
+
+
 def test_the_leftover_scan_removes_a_killed_agents_empty_private_directory_only(
     tmp_path: Path, unprivileged_user: str
 ) -> None:
@@ -388,7 +402,7 @@ def test_the_leftover_scan_removes_a_killed_agents_empty_private_directory_only(
     for d in made.values():
         d.mkdir(mode=0o700)
         (d / "r0.txt").write_text("")  # the rank's stack dump file (ddp_train/stackdump.py), opened at start
-    logs = made[job] / "torchelastic_a1b2c3d4" / "none_x1y2z3w4" / "attempt_0" / "0"
+    logs = made[job] / "torchrun" / "none_x1y2z3w4" / "attempt_0" / "0"
     logs.mkdir(parents=True)  # torchrun's log directory (ddp_train/agent.py), with a rank's error file
     (logs / "error.json").write_text("{}")
     kept_log = tmp_path / f"ddp-agent-{job}-{secrets.token_hex(4)}"

@@ -29,19 +29,17 @@ for f in $(grep -lxzsF -- "DDP_JOB_ID=$id" /proc/[0-9]*/environ 2>/dev/null); do
 done
 # Listing, and nothing of the job left: the private directories its killed agents could not remove
 # (ddp_train/agent.py private_dir), if this user's: the ranks' stack dump files go (r<rank>.txt,
-# ddp_train/stackdump.py) and torchrun's log directory (torchelastic_<8>), as the agent's own cleanup
-# does, then the directory if that left it empty (one with an agent.log stays for whoever looks).
-# mkdtemp's suffix is 8 characters (CPython Lib/tempfile.py _RandomNameSequence), so job "a" never
-# matches job "a-b"'s directories.
+# ddp_train/stackdump.py) and torchrun's --log-dir (torchrun/), as the agent's own cleanup does, then the
+# directory if that left it empty (one with an agent.log stays for whoever looks). mkdtemp's suffix is
+# 8 characters (CPython Lib/tempfile.py _RandomNameSequence), so job "a" never matches job "a-b"'s
+# directories.
 if [ "$sig" = - ] && [ -z "$found" ]; then
   for d in "${TMPDIR:-/tmp}/ddp-agent-$id-"????????; do
     [ -d "$d" ] && [ ! -L "$d" ] && [ -O "$d" ] || continue
     for f in "$d"/r[0-9]*.txt; do
       case "${f##*/}" in r*[!0-9]*.txt) ;; *) [ -L "$f" ] || [ -f "$f" ] && rm -f -- "$f" ;; esac
     done
-    for t in "$d"/torchelastic_????????; do
-      [ -d "$t" ] && [ ! -L "$t" ] && rm -rf -- "$t"
-    done
+    [ -d "$d/torchrun" ] && [ ! -L "$d/torchrun" ] && rm -rf -- "$d/torchrun"
     rmdir -- "$d" 2>/dev/null
   done
 fi
