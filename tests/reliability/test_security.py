@@ -145,7 +145,11 @@ def test_dry_run_commands_are_quoted_words_that_carry_hostile_values_verbatim(
         marker, payload = res.stdout.split("\n", 1)
         assert marker.startswith(PGID_MARKER + " ")
         seen = json.loads(payload)
-        assert seen["argv"] == argv[1:] and seen["cwd"] == str(workdir)
+        # the agent puts torchrun's --log-dir first, in its private directory (ddp_train/agent.py)
+        assert seen["argv"][2:] == argv[1:] and seen["cwd"] == str(workdir)
+        assert seen["argv"][0] == "--log-dir" and Path(seen["argv"][1]).parent.name.startswith(
+            "ddp-agent-sec-dry-"
+        )
         assert seen["env"]["HOSTILE"] == value and seen["env"]["ALSO"] == value
     for secret in SECRETS.values():
         assert secret not in out + err
