@@ -23,8 +23,8 @@ that a stop ends as one line and an exit code instead of torchrun's traceback:
   broken pipe (`lifeline_log`), so no rank dies on EPIPE while saving.
 - The private directory: `mkdtemp` under $TMPDIR (/tmp), 0700, a random name created by this agent (so
   no other user can have created it first or put a symlink in it, issue #24); the ranks' stack dumps
-  (DDP_STACK_DIR, ddp_train/stackdump.py), agent.log and torchrun's log directory go there. It is
-  removed at the end when nothing but torchrun's log directory is in it.
+  (DDP_STACK_DIR, ddp_train/stackdump.py), agent.log and torchrun's --log-dir go there. It is removed
+  at the end (`_clean`) unless an agent.log stays in it for whoever looks.
 
 Only the standard library (and ddp_train.console, which needs no more) is imported before torchrun runs
 (torch comes with torchrun's script).

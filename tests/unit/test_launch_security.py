@@ -395,6 +395,7 @@ def test_the_leftover_scan_removes_a_killed_agents_empty_private_directory_only(
     the job left removes its ranks' stack dump files and then the directory if that emptied it and it is
     this user's; never one with an agent.log, another job's (job "j" vs "j-b"), a symlink, another
     user's, or anything while a process of the job runs."""
+    from ddp_train.agent import TORCHRUN_LOGS
     from ddp_train.launch.run.nodecontrol import SIGNAL_SCRIPT
 
     job = f"sec-dir-{secrets.token_hex(2)}"
@@ -402,7 +403,7 @@ def test_the_leftover_scan_removes_a_killed_agents_empty_private_directory_only(
     for d in made.values():
         d.mkdir(mode=0o700)
         (d / "r0.txt").write_text("")  # the rank's stack dump file (ddp_train/stackdump.py), opened at start
-    logs = made[job] / "torchrun" / "none_x1y2z3w4" / "attempt_0" / "0"
+    logs = made[job] / TORCHRUN_LOGS / "none_x1y2z3w4" / "attempt_0" / "0"
     logs.mkdir(parents=True)  # torchrun's log directory (ddp_train/agent.py), with a rank's error file
     (logs / "error.json").write_text("{}")
     kept_log = tmp_path / f"ddp-agent-{job}-{secrets.token_hex(4)}"
