@@ -290,6 +290,17 @@ def load(path: Path) -> dict[str, Any]:
     return state
 
 
+def load_weights(state: dict[str, Any], path: Path | str, model: nn.Module, optimizer: Any) -> None:
+    """A checkpoint's model and optimizer state into `model` and `optimizer`; CheckpointError (torch's
+    first line) when they do not fit, e.g. a checkpoint of another model size."""
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(path, f"does not fit this model/optimizer: {first}") from None
+
+
 def load_latest(directory: Path) -> tuple[dict[str, Any], Path] | None:
     """The newest loadable checkpoint, falling back past corrupt ones (then moved aside as *.corrupt).
 

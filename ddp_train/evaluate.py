@@ -75,6 +75,26 @@ class Evaluator:
         return loss_sum / count if count else float("nan")
 
 
+class BestValLoss:
+    """The lowest finite validation loss so far and its step, checkpointed as {"val_loss", "step"}
+    (both None before the first validation)."""
+
+    def __init__(self, state: dict[str, Any] | None = None) -> None:
+        state = state or {}
+        self.val_loss: float | None = state.get("val_loss")
+        self.step: int | None = state.get("step")
+
+    def update(self, loss: float, step: int) -> bool:
+        """Keep `loss` of `step` when it is finite and lower than the best; whether it was kept."""
+        if not math.isfinite(loss) or (self.val_loss is not None and loss >= self.val_loss):
+            return False
+        self.val_loss, self.step = loss, step
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"val_loss": self.val_loss, "step": self.step}
+
+
 def perplexity(loss: float) -> float:
     """exp(loss), inf when it overflows."""
     try:

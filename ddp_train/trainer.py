@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import math
 import os
 import re
 import signal
@@ -18,13 +17,13 @@ import torch
 from torch import nn
 
 from ddp_train import checkpoint, distributed, exitcodes, stackdump, storage
-from ddp_train.checkpoint import Checkpointer, CheckpointError, params_sha256
+from ddp_train.checkpoint import Checkpointer, params_sha256
 from ddp_train.config import Config, ConfigError
 from ddp_train.console import emit_line
 from ddp_train.data import build_dataset, build_val_dataset, resolve_vocab, train_batches
 from ddp_train.distributed import DistEnv
 from ddp_train.errors import UserError
-from ddp_train.evaluate import Evaluator
+from ddp_train.evaluate import BestValLoss, Evaluator
 from ddp_train.hooks import DebugHooks
 from ddp_train.meter import PendingStep, StepLog, StepMeter
 from ddp_train.metrics import device_peak_flops, open_outputs, setup_logging
@@ -123,7 +122,7 @@ class Trainer:
         self.stop = stop or StopRequest()
         self.hooks = DebugHooks(cfg, env.rank)
         self.step, self.last_loss, self.saved_step = 0, float("nan"), -1
-        self.best: dict[str, Any] = {"val_loss": None, "step": None}
+        self.best = BestValLoss()
         self.meter: StepMeter | None = None
         self.steplog: StepLog | None = None
         # [SIGTERM, SIGINT] flags, filled with Python scalars each step: a kernel launch, no host-device copy
@@ -194,9 +193,9 @@ class Trainer:
             meter.close()
             collector.close()
             self.batches.close()
-        if self.best.get("step") is not None and self.env.is_main:
+        if self.best.step is not None and self.env.is_main:
             where = f" ({self.checkpoints.best_path})" if self.cfg.eval.keep_best else ""
-            log.info("best val_loss %.4f at step %d%s", self.best["val_loss"], self.best["step"], where)
+            log.info("best val_loss %.4f at step %d%s", self.best.val_loss, self.best.step, where)
         if stopped and self.step < total:
             return stopped_exit(stopped, self.step, self.env)
         return final_check(self.model, self.env, self.step, self.last_loss)
@@ -264,7 +263,7 @@ class Trainer:
         self.meter.bar.update(p.step, f"loss {self.last_loss:.4f}")
         stop = StopRequest.decode(sigterm, sigint)
         if self.steplog.due(p.step, stop):
-            self.steplog.write(p, self.last_loss, gnorm_sum / self.env.world_size, self.best.get("val_loss"))
+            self.steplog.write(p, self.last_loss, gnorm_sum / self.env.world_size, self.best.val_loss)
         return stop
 
     def _open_log(self) -> StepLog:
@@ -294,11 +293,9 @@ class Trainer:
         self.timeouts.ran("eval")
         if self.steplog is not None:
             self.steplog.val[self.step] = loss
-        best = self.best.get("val_loss")
-        if math.isfinite(loss) and (best is None or loss < best):
-            self.best = {"val_loss": loss, "step": self.step}
-            if self.cfg.eval.keep_best:
-                self.checkpoints.save_best(self.model.state_dict(), self.step, self.best, self.cfg.to_dict())
+        if self.best.update(loss, self.step) and self.cfg.eval.keep_best:
+            best = self.best.state_dict()
+            self.checkpoints.save_best(self.model.state_dict(), self.step, best, self.cfg.to_dict())
         self._pause(time.perf_counter() - t0)  # compute-only tokens/s and MFU; the wall figure keeps it
         return loss
 
@@ -320,19 +317,14 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any], path: str) -> None:
         """Apply a checkpoint's state (what state_dict returned); CheckpointError if it does not fit."""
-        try:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise CheckpointError(path, f"does not fit this model/optimizer: {first}") from None
+        checkpoint.load_weights(state, path, self.model, self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
         self.batches.load_state_dict(state["data"])
         self.step = self.saved_step = int(state["step"])
         self.last_loss = float(state.get("loss", float("nan")))
-        self.best = dict(state.get("best") or {"val_loss": None, "step": None})
+        self.best = BestValLoss(state.get("best"))
         checkpoint.restore_rng(state, self.env, self.device, self.cfg.seed + self.env.rank + self.step)
 
     def state_dict(self, rngs: list[Any]) -> dict[str, Any]:
@@ -341,7 +333,7 @@ class Trainer:
             "format": checkpoint.FORMAT,
             "step": self.step,
             "loss": self.last_loss,
-            "best": dict(self.best),
+            "best": self.best.state_dict(),
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),

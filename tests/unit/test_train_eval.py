@@ -15,7 +15,7 @@ from ddp_train import checkpoint
 from ddp_train.__main__ import main as ddp_train_main
 from ddp_train.config import load_config
 from ddp_train.data import SyntheticClassification, TokenSequences
-from ddp_train.evaluate import Evaluator
+from ddp_train.evaluate import BestValLoss, Evaluator
 from ddp_train.prepare import prepare
 from ddp_train.trainer import run
 from tests.integration.corpus import VAL_LOSS_BOUND, text_corpus
@@ -65,6 +65,18 @@ def test_evaluator_slices_are_disjoint_fixed_and_leave_rng_and_mode_alone():
     expected = sum(float(ds[i][0].mean()) for i in (0, 3, 6, 9)) / 4
     assert loss == pytest.approx(expected)
     assert ev.evaluate(model) == loss  # the same slice every time
+
+
+def test_the_best_val_loss_keeps_only_a_finite_lower_loss_and_round_trips():
+    best = BestValLoss()
+    assert best.state_dict() == {"val_loss": None, "step": None}
+    assert not best.update(math.nan, 1) and best.step is None  # a NaN never becomes the best
+    assert best.update(2.5, 2) and best.update(2.0, 4)
+    assert not best.update(2.0, 6) and not best.update(math.inf, 8)  # equal is not better
+    assert best.state_dict() == {"val_loss": 2.0, "step": 4}
+    again = BestValLoss(best.state_dict())
+    assert (again.val_loss, again.step) == (2.0, 4) and not again.update(3.0, 10)
+    assert BestValLoss(None).state_dict() == {"val_loss": None, "step": None}  # a checkpoint's "best": None
 
 
 def test_synthetic_val_split_is_new_samples_of_the_same_task():
