@@ -57,5 +57,10 @@ def test_stall_first_error_of_the_other_rank_is_the_watchdog_not_a_traceback(tmp
     assert table["local1"].startswith("stalled"), out
     assert "Traceback" not in out, out
     host_log = (tmp_path / "logs" / "fe-stall" / "local0.log").read_text()
-    assert "Traceback (most recent call last)" in host_log  # kept, in the host log only
+    # Rank 0, blocked in a collective with the stalled rank, is a victim of the teardown's TERM (its whole
+    # process group, then torchrun's forward): either its collective fails first and its "stopped:" line
+    # follows its traceback, kept in the host log only, or one TERM runs its handler and the next ends it
+    # before it prints anything (seen once, ci43c). The routing alone: tests/unit/test_launch_failures.py.
+    if "ddp-train: stopped: " in host_log:
+        assert "Traceback (most recent call last)" in host_log, host_log
     assert "ddp-launch logs fe-stall --node local0" in out, out
