@@ -30,7 +30,7 @@ from ddp_train.config import Config, ConfigError
 from ddp_train.digest import file_sha256
 from ddp_train.distributed import DistEnv
 from ddp_train.errors import UserError
-from ddp_train.text import one_line
+from ddp_train.text import first_line, one_line
 
 FORMAT = "ddp-train-checkpoint/1"
 BEST_FORMAT = "ddp-train-best/1"  # best.pt: the weights of the best step, no optimizer/data/RNG state
@@ -297,7 +297,7 @@ def load_weights(state: dict[str, Any], path: Path | str, model: nn.Module, opti
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
     except (RuntimeError, ValueError, KeyError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc, type(exc).__name__)
         raise CheckpointError(path, f"does not fit this model/optimizer: {first}") from None
 
 

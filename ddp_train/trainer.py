@@ -29,6 +29,7 @@ from ddp_train.meter import PendingStep, StepLog, StepMeter
 from ddp_train.metrics import device_peak_flops, open_outputs, setup_logging
 from ddp_train.models import build_model, flops_per_token
 from ddp_train.optim import build_optimizer, build_scheduler, mixed_precision
+from ddp_train.text import first_line
 
 log = logging.getLogger("ddp_train")
 
@@ -402,7 +403,7 @@ def consequence(exc: BaseException, signum: int | None) -> str | None:
     while e is not None and e not in chain:
         chain.append(e)
         e = e.__cause__ or e.__context__
-    first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+    first = first_line(exc, type(exc).__name__)
     # only an error of the process group counts: a plug-in's own "Connection reset by peer", or a bug
     # met during a stop's final save, is this rank's failure and keeps its traceback
     dist = [e for e in chain if isinstance(e, torch.distributed.DistError) or FROM_DIST.search(str(e))]
@@ -462,7 +463,7 @@ def run(cfg: Config, source: str = "config") -> int:
             # this rank's own failure: its traceback and error line now, before the finally below takes
             # the process group down (its peers then print "stopped:" lines that must not come first)
             sys.stderr.write("".join(traceback.format_exception(exc)))
-            first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+            first = first_line(exc)
             emit_line(f"ddp-train: error: {type(exc).__name__}" + (f": {first}" if first else ""), sys.stderr)
             return exitcodes.FAILURE
         # the traceback for the host log (ddp-launch keeps indented traceback lines off its console),
