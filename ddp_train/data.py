@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
 import json
 import logging
 import mmap
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import pickle
+import select
+import signal
+import threading
 import warnings
 from collections.abc import Iterator, Sized
 from dataclasses import dataclass
@@ -384,6 +392,57 @@ def worker_start_method(device: torch.device, dataset: Dataset | None = None) ->
     return "forkserver"
 
 
+# The signals that stop a job: torchrun (os.killpg of each rank's session), the node agent, slurmstepd
+# and `ddp-launch stop` send them to every process of the job, loader workers included.
+JOB_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+@contextlib.contextmanager
+def job_signals_held() -> Iterator[None]:
+    """SIGTERM/SIGINT held back (blocked, not lost) in this thread while loader workers start.
+
+    A worker inherits the blocked mask: a fork()ed one from the rank, a forkserver's from the server,
+    which is started here too, so both get the mask before they exist. A stop that lands before the
+    worker's `_worker_init` ignores it therefore waits instead of killing the worker; the rank's own
+    handler sees it as soon as the block ends (other threads of the rank never blocked it)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _worker_init(rank_pid: int, _worker_id: int) -> None:
+    """A DataLoader worker ignores the job's SIGTERM/SIGINT and exits as soon as its rank is gone.
+
+    torch's workers keep the default actions (torch 2.13 utils/data/_utils/signal_handling.py handles
+    SIGSEGV/SIGBUS/SIGFPE only), so a stop killed them mid-step and the rank failed with "DataLoader
+    worker (pid N) is killed by signal: Terminated" before it could save. The rank alone decides when
+    to stop; it then shuts its workers down (ShardedBatches.close). torch's own watchdog polls the
+    worker's parent every 5 s and only while the worker is idle; a forkserver's worker never sees its
+    parent die at all (the server lives until every worker, each holding its "alive" pipe, has exited),
+    so a SIGKILLed rank left its workers behind. A thread here waits on the rank's pidfd instead."""
+    for sig in JOB_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, JOB_SIGNALS)  # the mask job_signals_held passed down
+    try:
+        rank = os.pidfd_open(rank_pid)  # Linux >= 5.3 (EL9); readable once the process has exited
+    except ProcessLookupError:
+        os._exit(0)  # the rank died while this worker started
+    except (OSError, AttributeError):
+        # no pidfd (EL8's kernel, not Linux): a fork()ed worker gets SIGKILL when its parent dies
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        return
+    threading.Thread(target=_exit_with, args=(rank,), name="ddp-train rank watch", daemon=True).start()
+
+
+def _exit_with(pidfd: int) -> None:
+    select.select([pidfd], [], [])
+    os._exit(0)
+
+
 class ShardedBatches:
     """This rank's batches from one long-lived DataLoader; resumable mid-epoch, bit-exact.
 
@@ -428,8 +487,10 @@ class ShardedBatches:
             persistent_workers=num_workers > 0,
             prefetch_factor=prefetch_factor if num_workers > 0 else None,
             multiprocessing_context=worker_start if num_workers > 0 else None,
+            worker_init_fn=functools.partial(_worker_init, os.getpid()) if num_workers > 0 else None,
             generator=torch.Generator().manual_seed(seed),
         )
+        self.worker_start = worker_start
         self.epoch, self.position = 0, 0
         self._it: Iterator[Any] | None = None
 
@@ -462,7 +523,15 @@ class ShardedBatches:
         started = self._it is None
         if started:
             self.sampler.start = (self.epoch, self.position)
-            self._it = iter(self.loader)  # persistent workers: started once, restarted only after a load
+            forkserver = self.num_workers > 0 and self.worker_start == "forkserver"
+            if forkserver:
+                # before the block: starting the resource tracker ends with SIG_UNBLOCK of SIGINT and
+                # SIGTERM (CPython 3.11 multiprocessing/resource_tracker.py), which would lift ours
+                multiprocessing.resource_tracker.ensure_running()
+            with job_signals_held():
+                if forkserver:
+                    multiprocessing.forkserver.ensure_running()  # started under the block, see above
+                self._it = iter(self.loader)  # persistent workers: started once, restarted only after a load
         if started or new_epoch:
             self._log_epoch()
         batch = next(self._it)
@@ -477,6 +546,12 @@ class ShardedBatches:
         shutdown = getattr(it, "_shutdown_workers", None)  # torch's own cleanup, also run by its __del__
         if shutdown is not None:
             shutdown()
+        # torch ends a worker that did not leave within 5 s with terminate(), a SIGTERM, which ours
+        # ignore (_worker_init): one still busy in a slow __getitem__ gets SIGKILL instead
+        for worker in getattr(it, "_workers", []):
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
 
 
 def train_batches(
