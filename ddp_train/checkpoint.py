@@ -30,7 +30,7 @@ from ddp_train.config import Config, ConfigError
 from ddp_train.digest import file_sha256
 from ddp_train.distributed import DistEnv
 from ddp_train.errors import UserError
-from ddp_train.text import first_line, one_line
+from ddp_train.text import first_line, one_line, when
 
 FORMAT = "ddp-train-checkpoint/1"
 BEST_FORMAT = "ddp-train-best/1"  # best.pt: the weights of the best step, no optimizer/data/RNG state
@@ -96,14 +96,6 @@ def restore_rng(state: dict[str, Any], env: DistEnv, device: torch.device, fallb
         set_rng_state(rngs[env.rank], device)
     else:
         seed_rng(fallback_seed)
-
-
-def when(seconds: float, now: float | None = None) -> str:
-    """A save time for a log line: `2026-12-04 16:40:01 UTC, 3h12m ago`."""
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
-    age = max(0, int((time.time() if now is None else now) - seconds))
-    ago = f"{age // 3600}h{age % 3600 // 60:02d}m" if age >= 3600 else f"{age // 60}m{age % 60:02d}s"
-    return f"{stamp}, {ago} ago"
 
 
 def provenance() -> dict[str, Any]:

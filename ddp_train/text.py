@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 
@@ -20,3 +21,11 @@ def short(value: Any, limit: int = 60) -> str:
     """repr(value), cut to `limit` characters: a value quoted inside an error message."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def when(seconds: float, now: float | None = None) -> str:
+    """A save time for a log line: `2026-12-04 16:40:01 UTC, 3h12m ago` (a resume, a --fresh refusal)."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
+    age = max(0, int((time.time() if now is None else now) - seconds))
+    ago = f"{age // 3600}h{age % 3600 // 60:02d}m" if age >= 3600 else f"{age // 60}m{age % 60:02d}s"
+    return f"{stamp}, {ago} ago"

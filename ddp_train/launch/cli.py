@@ -16,6 +16,9 @@ launch/pipeline.py. Exit codes: ddp_train/exitcodes.py (`ddp-launch --help` show
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -39,7 +42,13 @@ COMMANDS += ("stage", "fetch", "restart")
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point of ddp-launch."""
     try:
-        return _main(argv)
+        try:
+            return _main(argv)
+        finally:
+            if sys.stdout is not None:  # None: started with fd 1 closed
+                sys.stdout.flush()  # here, not at exit: a reader that left (`| head`) raises below
+    except BrokenPipeError:
+        return _stdout_closed()
     except OSError as e:
         # the launcher's own writes (logs/<job>/, job.json, the monitor's files): a disk that refuses
         # them is one line with the path and its free space, exit 2, not a traceback
@@ -50,6 +59,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         path = cause.filename if isinstance(cause.filename, str) else "logs"
         return _usage(str(StorageError("writing the job's logs and state", path, cause)))
+
+
+def _stdout_closed() -> int:
+    """Every command, when its stdout is a pipe whose reader left (`ddp-launch jobs | head`): quiet, and
+    the status of a process killed by SIGPIPE, as a shell expects. Python ignores SIGPIPE, so the write
+    raised; stdout goes to /dev/null so that nothing flushed at exit raises again, as CPython documents:
+    https://docs.python.org/3/library/signal.html#note-on-sigpipe"""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    with contextlib.suppress(OSError, ValueError):
+        out = sys.stdout.fileno()
+        if os.path.sameopenfile(out, sys.stderr.fileno()):  # `2>&1 | head`: the same closed pipe
+            os.dup2(devnull, sys.stderr.fileno())
+        os.dup2(devnull, out)
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 def _own_write(exc: BaseException) -> bool:

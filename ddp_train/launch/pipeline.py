@@ -177,6 +177,9 @@ class SshBackend:
             for line in notes:
                 log.note(f"rdma: {line}")
             on_plan(plan)
+        if not plan.script and (line := _fresh_refusal(plan, cfg, self.pool)):
+            log.note(line)
+            raise Refused(exitcodes.BAD_INPUT)
         if plan.config and not self._ship_config(plan):
             raise Refused(exitcodes.NODE_FAILED)
         return plan
@@ -253,6 +256,14 @@ def sync_nodes(plan: JobPlan, pool: SessionPool, cfg: LaunchConfig, log: JobLog)
                                    "dir": p.sync_dir}  # fmt: skip
     log.write_json("sync.json", {"source": manifest.root, "content": manifest.digest, "nodes": record})
     return not any(err for _, err in results)
+
+
+def _fresh_refusal(plan: JobPlan, cfg: LaunchConfig, pool: SessionPool) -> str | None:
+    """--fresh with checkpoints already on a node: the one line refusing the launch (preflight/fresh.py)."""
+    from ddp_train.launch.preflight import fresh
+
+    found = fresh.existing(plan, trainer_config(plan.config, cfg.overrides), lambda p: pool.get(p.node))
+    return fresh.refusal(found)
 
 
 def trainer_config(path: str | None, overrides: Sequence[str]) -> Any:

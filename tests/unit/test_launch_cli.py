@@ -142,12 +142,17 @@ def test_job_log_prefixes_lines_and_masks_secrets(tmp_path: Path) -> None:
 
 def test_the_documented_prod_inventory_dry_runs(capsys: pytest.CaptureFixture) -> None:
     """README's `ddp-launch --hosts inventory/prod --dry-run` works on the example as shipped: SSH on the
-    management network, the rendezvous on the training network (ddp_master_addr in ddp_network_cidr)."""
-    prod = str(Path(LOCAL_INV).parent / "prod")
-    code, out, err = run_main(["--hosts", prod, "--dry-run"], capsys)
+    management network, the rendezvous on the training network. No ddp_master_addr pins the master there
+    (#42): preflight finds its address in ddp_network_cidr, so it moves to the next node after a loss."""
+    prod = Path(LOCAL_INV).parent / "prod"
+    code, out, err = run_main(["--hosts", str(prod), "--dry-run"], capsys)
     assert code == 0, err
-    assert out.count("--master-addr 198.51.100.10") == 3
+    assert out.count("--master-addr 192.0.2.10") == 3  # gpu-node-0's ansible_host until preflight
+    assert out.count("in ddp_network_cidr 198.51.100.0/24, found by preflight at launch") == 3
     assert out.count("--node-rank") == 3
+    pinned = [ln for ln in (prod / "group_vars" / "all" / "ddp.yml").read_text().splitlines()
+              if ln.startswith(("ddp_master_addr:", "ddp_master:"))]  # fmt: skip
+    assert pinned == []
 
 
 def test_only_the_launchers_own_writes_are_reported_as_a_failed_log_write(
@@ -186,3 +191,113 @@ def test_only_the_launchers_own_writes_are_reported_as_a_failed_log_write(
     monkeypatch.setattr(cli, "_main", full_disk)
     assert main([]) == 2
     assert "writing the job's logs and state failed: No space left on device" in capsys.readouterr().err
+
+
+def test_fresh_over_checkpoints_on_a_node_is_refused_as_bad_input_before_the_job_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """#42: `--fresh` where a node already holds checkpoints exits 2 with one line naming the node, the
+    directory and its newest step, and no trainer starts (it used to start the job, which failed: exit 1)."""
+    from ddp_train.launch.jobs import jobstate
+    from ddp_train.launch.run.logs import host_log_path
+
+    monkeypatch.chdir(tmp_path)  # the local nodes' working directory
+    ckpts = tmp_path / "runs" / "r1" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    for step in (10, 20):
+        (ckpts / f"step-{step:08d}.pt").write_bytes(b"not read")
+    argv = ["--hosts", LOCAL_INV, "--fresh", "--skip-preflight", "--job-id", "fresh1", "--master-port",
+            "29771", "--set", "run.name=r1", "--set", "train.max_steps=2"]  # fmt: skip
+    code, out, err = run_main(argv, capsys)
+    assert code == 2, out + err
+    lines = [ln for ln in out.splitlines() if "--fresh" in ln]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"ddp-launch: --fresh (checkpoint.resume: never) but local0:{ckpts} already holds 2 checkpoint(s), "
+        "the newest of step 20 (step-00000020.pt, saved "
+    ), out
+    assert "(checkpoints also on local1); use another run.name" in lines[0]
+    assert lines[0].endswith("without --fresh; nothing was started")
+    assert "FAILED" not in out and "Traceback" not in out + err
+    assert not host_log_path(tmp_path / "logs" / "fresh1", "local0").exists()  # no node ran anything
+    assert (jobstate.read_state(jobstate.state_path("logs", "fresh1")) or {}).get("exit_code") == 2
+    # without checkpoints there, or without --fresh, nothing is refused (checked without starting a job)
+    from ddp_train.launch.node.checkpoints import main as node_main
+    from ddp_train.launch.preflight.fresh import refusal
+
+    node_main([str(tmp_path), "elsewhere"])
+    none = json.loads(capsys.readouterr().out.split("DDP-CHECKPOINTS ", 1)[1])
+    assert none == {"dir": str(tmp_path / "elsewhere"), "count": 0, "newest": None}
+    assert refusal([("local0", none)]) is None
+
+
+def test_the_fresh_check_knows_the_trainers_checkpoint_names_and_names_the_newest_node() -> None:
+    from ddp_train.checkpoint import _NAME
+    from ddp_train.launch.node.checkpoints import NAME
+    from ddp_train.launch.preflight.fresh import refusal
+
+    assert NAME.pattern == _NAME.pattern  # node modules are stdlib-only: the pattern is written twice
+    found = [
+        ("n0", {"dir": "/w/runs/a/checkpoints", "count": 1, "newest": [10, "step-00000010.pt", 0.0]}),
+        ("n1", {"dir": "/w/runs/a/checkpoints", "count": 2, "newest": [30, "step-00000030.pt", 100.0]}),
+        ("n2", {"dir": "/w/runs/a/checkpoints", "error": "Permission denied"}),
+    ]
+    line = refusal(found, now=3700.0)
+    assert line == (
+        "--fresh (checkpoint.resume: never) but n1:/w/runs/a/checkpoints already holds 2 checkpoint(s), "
+        "the newest of step 30 (step-00000030.pt, saved 1970-01-01 00:01:40 UTC, 1h00m ago) (checkpoints "
+        "also on n0); use another run.name (or checkpoint.dir), delete that directory to start over, or "
+        "resume from it without --fresh; nothing was started"
+    )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["jobs"],
+        ["status", "j1"],
+        ["logs", "j1"],
+        ["logs", "j1", "--node", "local0"],
+        ["stop", "j1"],
+        ["--help"],
+    ],
+)
+def test_every_command_ends_quietly_when_its_stdout_is_a_closed_pipe(tmp_path: Path, argv: list[str]) -> None:
+    """#42: `ddp-launch status JOB | head` and the like: exit 0 or 141 (a SIGPIPE death, as a shell reports
+    it) and no BrokenPipeError traceback, now or at exit; `stop` has sent its signal all the same."""
+    import os
+    import signal
+    import time
+
+    from ddp_train.launch.jobs import jobstate
+    from ddp_train.launch.run.logs import host_log_path
+
+    monitor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # the job's monitor
+    try:
+        log_dir = tmp_path / "logs"
+        jobstate.write_state(
+            jobstate.state_path(log_dir, "j1"),
+            {"job_id": "j1", "pid": monitor.pid, "state": "running", "detached": True, "master_port": 29500,
+             "started": time.time(), "argv": ["--hosts", "inv"], "cwd": str(tmp_path),
+             "nodes": [{"host": "local0", "rank": 0}, {"host": "local1", "rank": 1}],
+             **jobstate.identity(monitor.pid)},
+        )  # fmt: skip
+        lines = "".join(f"2026-01-02T03:04:05.000 [local0 r0] line {i}\n" for i in range(2000))
+        host_log_path(log_dir / "j1", "local0").write_text(lines)
+        (log_dir / "j1" / "console.log").write_text(lines)
+        read, write = os.pipe()
+        os.close(read)  # the reader left before the first write: every write fails (EPIPE)
+        cmd = [sys.executable, "-m", "ddp_train.launch.cli", *argv]
+        if argv != ["--help"]:
+            cmd[4:4] = ["--log-dir", str(log_dir)]
+        env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}  # no job records of this machine
+        res = subprocess.run(cmd, stdout=write, stderr=subprocess.PIPE, text=True, timeout=120, env=env,
+                             cwd=tmp_path)  # fmt: skip
+        os.close(write)
+        assert res.returncode in (0, 141), res.stderr
+        assert "Traceback" not in res.stderr and "BrokenPipe" not in res.stderr, res.stderr
+        assert "Exception ignored" not in res.stderr, res.stderr
+        if argv[0] == "stop":
+            assert monitor.wait(timeout=10) == -signal.SIGTERM  # the stop itself happened
+    finally:
+        monitor.kill()
+        monitor.wait()

@@ -144,3 +144,76 @@ def test_restart_argv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data["argv"] = ["stop", "j0"]
     with pytest.raises(LaunchError, match="a 'stop' command, not a launch"):
         recorded.restart_argv("j", data, [])
+
+
+def _pinned_inventory(tmp_path: Path, **pins: str) -> Path:
+    """inventory/prod's shape: SSH on 192.0.2.x, training on ddp_network_cidr; `pins` in group_vars."""
+    inv = tmp_path / "inv"
+    (inv / "group_vars" / "all").mkdir(parents=True)
+    hosts = {f"n{i}": {"ansible_host": f"192.0.2.{10 + i}"} for i in range(3)}
+    (inv / "hosts.yml").write_text(yaml.safe_dump({"all": {"children": {"gpu_nodes": {"hosts": hosts}}}}))
+    (inv / "group_vars" / "all" / "ddp.yml").write_text(
+        "ddp_network_cidr: 198.51.100.0/24\nddp_master_port: 29500\n"
+        + "".join(f"{k}: {v}\n" for k, v in pins.items())
+    )
+    return inv
+
+
+@pytest.mark.parametrize(
+    ("pins", "extra", "refused"),
+    [
+        ({"ddp_master_addr": "198.51.100.10"}, ["--exclude", "n0"], "ddp_master_addr"),
+        ({"ddp_master": "n0"}, ["--exclude", "n0"], "ddp_master"),
+        ({"ddp_master_addr": "198.51.100.10"}, ["--limit", "n1,n2"], "ddp_master_addr"),
+        ({}, ["--exclude", "n0"], None),  # README "Recover": the next node is the master, nothing to edit
+        ({"ddp_master_addr": "198.51.100.10"}, ["--exclude", "n2"], None),  # the master stays
+        ({"ddp_master_addr": "198.51.100.11"}, ["--exclude", "n0"], None),  # already moved to n1's address
+    ],
+)
+def test_a_restart_without_the_pinned_master_says_what_to_edit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    pins: dict[str, str], extra: list[str], refused: str | None,
+) -> None:  # fmt: skip
+    """#42: a master pinned in the inventory (ddp_master, ddp_master_addr) that the restart leaves out is
+    one line naming the file and variable, exit 2, before anything starts (the launch used to go ahead
+    with MASTER_ADDR on the lost node and fail in preflight or at the rendezvous)."""
+    inv = _pinned_inventory(tmp_path, **pins)
+    data = job(tmp_path, ["--hosts", str(inv), "--job-id", "j1"])
+    data.update(master="n0", master_addr="198.51.100.10",
+                nodes=[{"host": f"n{i}", "rank": i} for i in range(3)])  # fmt: skip
+    (tmp_path / "logs" / "j1" / "job.json").write_text(json.dumps(data))
+    monkeypatch.chdir(tmp_path)
+    launch = cli.main
+    ran: list[list[str]] = []
+    monkeypatch.setattr(cli, "main", lambda a: ran.append(a) or 0)  # the restarted launch itself
+    code = launch(["restart", "j1", *extra])
+    if refused is None:
+        assert code == 0 and ran and ran[0][-len(extra) :] == extra
+        return
+    assert code == 2 and not ran
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    where = inv.resolve() / "group_vars" / "all" / "ddp.yml"
+    assert err.startswith(f"ddp-launch restart: error: {where}:3: {refused}: "), err
+    if refused == "ddp_master":
+        assert "n0 is not among this restart's nodes (n1, n2); delete ddp_master there" in err
+    else:
+        assert "198.51.100.10 is the address of n0, the master of job j1, which this restart leaves" in err
+        assert "; delete ddp_master_addr there (MASTER_ADDR then moves to n1's address in ddp_netw" in err
+
+
+def test_the_jobs_master_is_kept_for_restart_in_job_json_and_in_a_cluster_monitors_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ddp_train.launch.jobs import clustermon, fetch, jobstate
+    from ddp_train.launch.plan.plan import Options, build_plan
+    from tests.unit.test_launch_plan import node
+
+    nodes = [node("n0", "10.0.0.1", master="n1"), node("n1", "10.0.0.2", master="n1")]
+    plan = build_plan(nodes, Options(job_id="j9"))
+    state = jobstate.initial_state(plan, [], False)
+    assert (state["master"], state["master_addr"]) == ("n1", "10.0.0.2")
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    clustermon.save_record("j9", nodes[0], "jobs", ["--hosts", "inv"], master=("n1", "10.0.0.2"))
+    data = fetch.load("j9", str(tmp_path / "logs"), command=True)  # job.json is with the monitor
+    assert (data["master"], data["master_addr"], data["argv"]) == ("n1", "10.0.0.2", ["--hosts", "inv"])

@@ -112,7 +112,8 @@ def detach_to_cluster(cfg: LaunchConfig, monitor: Node) -> int:
                 "options": {k: getattr(cfg, k) for k in OPTIONS},
                 "config": (Path(plan.config).name, Path(plan.config).read_bytes()) if plan.config else None,
             }
-            save_record(plan.job_id, monitor, monitor_dir, mask_argv(list(cfg.argv), plan.secrets()))
+            save_record(plan.job_id, monitor, monitor_dir, mask_argv(list(cfg.argv), plan.secrets()),
+                        master=(plan.master_name, plan.master_addr))  # fmt: skip
             log.note(f"starting the job's monitor on {monitor.name} ({monitor.where}), in {monitor_dir}")
             try:
                 code = _start_remote(nodes.pool.get(monitor), monitor, monitor_dir, plan.job_id,
@@ -161,12 +162,21 @@ def record_path(job_id: str) -> Path:
     return records_dir() / f"{job_id}.json"
 
 
-def save_record(job_id: str, monitor: Node | None, log_dir: str, argv: list[str] | None = None) -> None:
+def save_record(
+    job_id: str,
+    monitor: Node | None,
+    log_dir: str,
+    argv: list[str] | None = None,
+    master: tuple[str, str] | None = None,
+) -> None:
     """monitor None: the monitor runs here, its state under log_dir (made absolute). `argv` (secrets
-    masked) and this directory are kept for `restart`, whose job.json is then on the monitor host."""
+    masked), this directory and the master (node, address) are kept for `restart`, whose job.json is
+    then on the monitor host."""
     data: dict[str, Any] = {"job_id": job_id, "saved": time.time()}
     if argv is not None:
         data.update(argv=argv, cwd=os.getcwd())
+    if master is not None:
+        data.update(master=master[0], master_addr=master[1])
     if monitor is None:
         data["log_dir"] = str(Path(log_dir).resolve())
     else:

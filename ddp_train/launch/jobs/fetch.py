@@ -121,7 +121,8 @@ def load(job_id: str, log_dir: str, command: bool = False) -> dict[str, Any]:
         record = load_record(job_id) or {}
         where = (record.get("monitor") or {}).get("name")
         if where and command and "argv" in record:
-            return {"job_id": job_id, "argv": record["argv"], "cwd": record.get("cwd")}
+            kept = ("argv", "cwd", "master", "master_addr")
+            return {"job_id": job_id, **{k: record[k] for k in kept if k in record}}
         if where:  # its job.json is with its monitor on the cluster (--detach)
             raise LaunchError(
                 f"no job {job_id!r} in {log_dir}/: its monitor and job.json are on {where} "

@@ -180,6 +180,7 @@ def initial_state(plan: Any, argv: list[str], detached: bool) -> dict[str, Any]:
         "started": time.time(),
         "cwd": os.getcwd(),
         "argv": argv,
+        "master": plan.master_name,  # the node at master_addr (`restart` checks that it is still there)
         "master_addr": plan.master_addr,
         "master_port": plan.master_port,
         "nodes": [{"host": p.node.name, "rank": p.rank, "where": p.node.where} for p in plan.nodes],

@@ -6,12 +6,15 @@
 first line; a detached job detaches again), OPTIONS (e.g. `--exclude node0`) go after the recorded
 options, before the script or `--`.
 A value job.json masks (`--env NAME=***`) is taken from this shell's $NAME (as `--secret-env NAME`);
-without it the restart is refused with one line naming it.
+without it the restart is refused with one line naming it. So is a master the inventory pins to a node
+the restart leaves out (`check_master`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import shlex
 import sys
@@ -117,11 +120,61 @@ def restart_argv(job_id: str, data: dict[str, Any], extra: list[str]) -> list[st
     return ["run", *unmask(job_id, kept), *extra, *rest]
 
 
+def check_master(job_id: str, data: dict[str, Any], argv: list[str]) -> None:
+    """LaunchError (one line: the variable, where it is set, what to do) when the inventory pins the master
+    to a node this restart leaves out (--exclude, --limit, or gone from the inventory): ddp_master naming
+    it, or ddp_master_addr still the address of the job's master. Unpinned, the first remaining node is
+    the master, at its address in ddp_network_cidr (README, "Recover"). Anything else wrong is the
+    launch's to report."""
+    from ddp_train.launch.cliparse import DEFAULT_INVENTORY, build_parser
+    from ddp_train.launch.plan.inventory import load_nodes
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # a bad option: the launch says so, once
+            opts = build_parser().parse_args(argv)
+        nodes = load_nodes(opts.hosts or [DEFAULT_INVENTORY], group=opts.group, limit=opts.limit,
+                           exclude=opts.exclude, extra_vars=opts.extra_vars)  # fmt: skip
+    except (LaunchError, SystemExit):
+        return
+    names = [n.name for n in nodes]
+    master, addr = nodes[0].master, nodes[0].master_addr  # the same on every node, or the launch says so
+    if master and master not in names:
+        raise LaunchError(
+            f"{nodes[0].origin('ddp_master')}: ddp_master: {master} is not among this restart's nodes "
+            f"({', '.join(names)}); delete ddp_master there (the first remaining node becomes the master, "
+            "at its address in ddp_network_cidr) or set it to one of them, then restart again"
+        )
+    old = data.get("master") or next(
+        (n.get("host") for n in data.get("nodes") or [] if isinstance(n, dict) and n.get("rank") == 0), None
+    )
+    if addr and old and old not in names and _same_address(addr, data.get("master_addr")):
+        new = master or names[0]
+        raise LaunchError(
+            f"{nodes[0].origin('ddp_master_addr')}: ddp_master_addr: {addr} is the address of {old}, the "
+            f"master of job {job_id}, which this restart leaves out; delete ddp_master_addr there "
+            f"(MASTER_ADDR then moves to {new}'s address in ddp_network_cidr) or set it to {new}'s training "
+            "address, then restart again"
+        )
+
+
+def _same_address(pinned: str, recorded: Any) -> bool:
+    """Whether ddp_master_addr (an IP or a name) is the address job.json recorded (the IP it resolved to)."""
+    from ddp_train.launch.plan.plan import resolve
+
+    if pinned == recorded:
+        return True
+    try:
+        return resolve(pinned) == recorded
+    except LaunchError:
+        return False
+
+
 def restart(job_id: str, data: dict[str, Any], extra: list[str]) -> int:
     from ddp_train.launch import cli
 
     in_recorded_dir(job_id, data)
     argv = restart_argv(job_id, data, extra)
+    check_master(job_id, data, argv)
     print(
         f"ddp-launch: restart of job {job_id} in {os.getcwd()}: ddp-launch {shlex.join(argv[1:])}",
         file=sys.stderr,

@@ -21,6 +21,7 @@ from ddp_train.launch.errors import LaunchError, one_line
 from ddp_train.text import short
 
 DEFAULT_GROUP = "gpu_nodes"
+PINNED = ("ddp_master", "ddp_master_addr")  # the master, pinned: `restart` names where to edit them
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_REMOTE_VENV = "/opt/ddp-train/venv"  # the pytorch role's default ddp_venv
 NPROC_WORDS = ("gpu", "cpu", "auto")
@@ -89,10 +90,16 @@ class Node:
     monitor_dir: str = ".ddp-train/jobs"  # ddp_monitor_dir (relative: to the monitor user's home)
     cluster_key: str = "~/.ssh/ddp_cluster_ed25519"  # ddp_cluster_key, on the monitor host
     cluster_known_hosts: str = "/etc/ssh/ssh_known_hosts"  # ddp_cluster_known_hosts (and ~/.ssh/known_hosts)
+    # where the variables in PINNED are set (file:line), for the lines that ask to edit them
+    origins: tuple[tuple[str, str], ...] = ()
 
     @property
     def where(self) -> str:
         return "local" if self.local or self.ssh is None else self.ssh.describe()
+
+    def origin(self, key: str) -> str:
+        """Where inventory variable `key` is set (`file:line`), as far as it is known."""
+        return dict(self.origins).get(key, "the inventory")
 
 
 # ---- loading ------------------------------------------------------------------------------------
@@ -361,6 +368,7 @@ def _node(loader: Any, variables: Any, host: Any, extra: Mapping[str, Any], wher
         monitor_dir=v.text("ddp_monitor_dir", default=".ddp-train/jobs") or ".ddp-train/jobs",
         cluster_key=v.text("ddp_cluster_key", default="~/.ssh/ddp_cluster_ed25519") or "",
         cluster_known_hosts=v.text("ddp_cluster_known_hosts", default="/etc/ssh/ssh_known_hosts") or "",
+        origins=tuple((k, v.origin(k)) for k in PINNED if v.raw.get(k) is not None),
     )
 
 
