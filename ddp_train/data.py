@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import functools
 import json
 import logging
@@ -12,9 +10,6 @@ import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
 import pickle
-import select
-import signal
-import threading
 import warnings
 from collections.abc import Iterator, Sized
 from dataclasses import dataclass
@@ -24,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from ddp_train import storage
+from ddp_train import storage, workerproc
 from ddp_train.config import Config, ConfigError
 from ddp_train.plugins import call_plugin
 
@@ -392,55 +387,12 @@ def worker_start_method(device: torch.device, dataset: Dataset | None = None) ->
     return "forkserver"
 
 
-# The signals that stop a job: torchrun (os.killpg of each rank's session), the node agent, slurmstepd
-# and `ddp-launch stop` send them to every process of the job, loader workers included.
-JOB_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-@contextlib.contextmanager
-def job_signals_held() -> Iterator[None]:
-    """SIGTERM/SIGINT held back (blocked, not lost) in this thread while loader workers start.
-
-    A worker inherits the blocked mask: a fork()ed one from the rank, a forkserver's from the server,
-    which is started here too, so both get the mask before they exist. A stop that lands before the
-    worker's `_worker_init` ignores it therefore waits instead of killing the worker; the rank's own
-    handler sees it as soon as the block ends (other threads of the rank never blocked it)."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
 def _worker_init(rank_pid: int, _worker_id: int) -> None:
-    """A DataLoader worker ignores the job's SIGTERM/SIGINT and exits as soon as its rank is gone.
-
-    torch's workers keep the default actions (torch 2.13 utils/data/_utils/signal_handling.py handles
-    SIGSEGV/SIGBUS/SIGFPE only), so a stop killed them mid-step and the rank failed with "DataLoader
-    worker (pid N) is killed by signal: Terminated" before it could save. The rank alone decides when
-    to stop; it then shuts its workers down (ShardedBatches.close). torch's own watchdog polls the
-    worker's parent every 5 s and only while the worker is idle; a forkserver's worker never sees its
-    parent die at all (the server lives until every worker, each holding its "alive" pipe, has exited),
-    so a SIGKILLed rank left its workers behind. A thread here waits on the rank's pidfd instead."""
-    for sig in JOB_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, JOB_SIGNALS)  # the mask job_signals_held passed down
-    try:
-        rank = os.pidfd_open(rank_pid)  # Linux >= 5.3 (EL9); readable once the process has exited
-    except ProcessLookupError:
-        os._exit(0)  # the rank died while this worker started
-    except (OSError, AttributeError):
-        # no pidfd (EL8's kernel, not Linux): a fork()ed worker gets SIGKILL when its parent dies
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        return
-    threading.Thread(target=_exit_with, args=(rank,), name="ddp-train rank watch", daemon=True).start()
-
-
-def _exit_with(pidfd: int) -> None:
-    select.select([pidfd], [], [])
-    os._exit(0)
+    """A DataLoader worker leaves a stop to its rank (workerproc.py). torch's workers keep the default
+    actions (torch 2.13 utils/data/_utils/signal_handling.py handles SIGSEGV/SIGBUS/SIGFPE only): a stop
+    killed them mid-step and the rank failed with "DataLoader worker (pid N) is killed by signal:
+    Terminated" before it could save. The rank ends them itself (ShardedBatches.close)."""
+    workerproc.leave_stops_to(rank_pid)
 
 
 class ShardedBatches:
@@ -528,9 +480,9 @@ class ShardedBatches:
                 # before the block: starting the resource tracker ends with SIG_UNBLOCK of SIGINT and
                 # SIGTERM (CPython 3.11 multiprocessing/resource_tracker.py), which would lift ours
                 multiprocessing.resource_tracker.ensure_running()
-            with job_signals_held():
+            with workerproc.stops_held():
                 if forkserver:
-                    multiprocessing.forkserver.ensure_running()  # started under the block, see above
+                    multiprocessing.forkserver.ensure_running()  # its workers inherit the held mask
                 self._it = iter(self.loader)  # persistent workers: started once, restarted only after a load
         if started or new_epoch:
             self._log_epoch()
