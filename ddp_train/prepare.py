@@ -10,21 +10,25 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import glob
 import json
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ddp_train import exitcodes
+from ddp_train import exitcodes, workerproc
 from ddp_train import tokenizer as tokenizers_
 from ddp_train.cliargs import Parser
 from ddp_train.config import ConfigError
@@ -175,10 +179,17 @@ def chunk_parts(c: Chunk, val_fraction: float, field: str) -> tuple[str, str]:
 _TOK: Any = None
 
 
-def _init_worker(spec: dict[str, str]) -> None:
+def _load_tokenizer(spec: dict[str, str]) -> None:
     global _TOK
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one process per core already
     _TOK = open_tokenizer(spec)
+
+
+def _init_worker(spec: dict[str, str], parent_pid: int) -> None:
+    # Ctrl-C and a SIGTERM to the process group reach every worker: the parent alone stops the run and
+    # removes what it wrote; a worker gone first would break the pool under it (workerproc.py)
+    workerproc.leave_stops_to(parent_pid)
+    _load_tokenizer(spec)
 
 
 def open_tokenizer(spec: dict[str, str]) -> tokenizers_.Tokenizer:
@@ -198,21 +209,31 @@ def _encode(args: tuple[Chunk, float, str, str]) -> tuple[Any, ...]:
 
 
 def _encoded(tasks: list[tuple[Chunk, float, str, str]], spec: dict[str, str], workers: int) -> Iterator[Any]:
-    """Encoded chunks in order; at most 2 x workers in flight, so memory is bounded."""
+    """Encoded chunks in order; at most 2 x workers in flight, so memory is bounded. Closing the generator
+    (a stop, an error) drops the chunks not yet started and waits for the running ones (~1 s: a chunk).
+
+    A ProcessPoolExecutor, not multiprocessing.Pool: a Pool whose worker was killed while holding its
+    task queue's lock hangs for ever in terminate() (seen: `kill -INT` to the process group); the
+    executor marks itself broken instead (CPython 3.11 concurrent/futures/process.py)."""
     if workers <= 1:
-        _init_worker(spec)
+        _load_tokenizer(spec)
         yield from map(_encode, tasks)
         return
     ctx = multiprocessing.get_context("spawn")  # the parent may hold tokenizers' threads: no fork
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(spec,)) as pool:
+    pool = ProcessPoolExecutor(
+        workers, mp_context=ctx, initializer=_init_worker, initargs=(spec, os.getpid())
+    )
+    try:
         pending: collections.deque = collections.deque()
-        it = iter(tasks)
-        for task in it:
-            pending.append(pool.apply_async(_encode, (task,)))
+        for task in tasks:
+            with workerproc.stops_held():  # a submit may start a worker: it must not die of a stop
+                pending.append(pool.submit(_encode, task))
             if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
+                yield pending.popleft().result()
         while pending:
-            yield pending.popleft().get()
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 # --- the command --------------------------------------------------------------------------------------
@@ -251,6 +272,9 @@ def prepare(
     paths = train_paths + held_out
     chunks = plan_chunks(paths, set(held_out), chunk_bytes)
     out.mkdir(parents=True, exist_ok=True)
+    # meta.json is removed before anything in DIR changes and written last: a directory without it is
+    # not a prepared one (the trainer says so), whatever a stop or an error left of the other files
+    (out / "meta.json").unlink(missing_ok=True)
     field = jsonl_field
 
     if tokenizer == "byte":
@@ -258,6 +282,7 @@ def prepare(
     elif tokenizer == "bpe":
         texts = (chunk_parts(c, val_fraction, field)[0] for c in chunks if not c.val)
         tok = tokenizers_.train_bpe(texts, vocab_size, out / tokenizers_.BPE_FILE)
+        _check_stop()  # training is native code: a stop during it is seen here
         spec = {"kind": "bpe", "path": str(out / tokenizers_.BPE_FILE)}
     else:
         named = tokenizers_.load_file(tokenizer)
@@ -276,9 +301,14 @@ def prepare(
     tmp = {k: out / f"{k}.bin.tmp" for k in counts}
     done = 0
     try:
-        with open(tmp["train"], "wb") as ftrain, open(tmp["val"], "wb") as fval:
-            tasks = [(c, val_fraction, field, dtype.name) for c in chunks]
-            for result in _encoded(tasks, spec, n_workers):
+        tasks = [(c, val_fraction, field, dtype.name) for c in chunks]
+        with (
+            open(tmp["train"], "wb") as ftrain,
+            open(tmp["val"], "wb") as fval,
+            contextlib.closing(_encoded(tasks, spec, n_workers)) as results,
+        ):
+            for result in results:
+                _check_stop()
                 if isinstance(result[0], str):
                     raise ConfigError(*result[1:])
                 train_ids, val_ids, nbytes = result
@@ -315,6 +345,7 @@ def prepare(
         ],
         "seconds": round(time.perf_counter() - t0, 3),
     }
+    _check_stop()  # hashing a large corpus takes a while
     _write_json(out / "meta.json", meta)
     return meta
 
@@ -352,9 +383,50 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class Stopped(Exception):
+    """SIGTERM or SIGINT while preparing, raised at the next chunk (never from inside the signal handler:
+    an exception thrown into the executor's or a file's code while it holds a lock would hang the
+    cleanup that follows)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+_received: list[int] = []  # the stop signal, once one came
+
+
+def _stop(signum: int, _frame: Any) -> None:
+    _received.append(signum)
+    for sig in workerproc.STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)  # a second signal ends the process at once
+
+
+def _check_stop() -> None:
+    if _received:
+        raise Stopped(_received[0])
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `ddp-train prepare`; returns the exit code."""
     args = build_parser().parse_args(argv)
+    _received.clear()
+    previous = {sig: signal.signal(sig, _stop) for sig in workerproc.STOP_SIGNALS}
+    try:
+        return _main(args)
+    except Stopped as exc:
+        name = signal.Signals(exc.signum).name
+        emit_line(
+            f"ddp-train prepare: stopped by {name}: {args.out} holds no prepared data (no meta.json)",
+            sys.stderr,
+        )
+        return 128 + exc.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _main(args: argparse.Namespace) -> int:
     try:
         if not 0.0 <= args.val_fraction < 1.0:
             raise ConfigError("prepare", "--val-fraction", f"{args.val_fraction} is not in [0, 1)")
@@ -384,9 +456,18 @@ def main(argv: list[str] | None = None) -> int:
         where = exc.filename or args.out
         emit_line(f"ddp-train prepare: error: {where}: {exc.strerror or exc}", sys.stderr)
         return exitcodes.BAD_INPUT
+    except BrokenProcessPool:  # a worker killed from outside (the OOM killer, a kill of its own pid)
+        emit_line(
+            f"ddp-train prepare: error: a worker process died; {args.out} holds no prepared data", sys.stderr
+        )
+        return exitcodes.FAILURE
     emit_line(
         f"ddp-train prepare: {args.out}: train {meta['train_tokens']} tokens, val {meta['val_tokens']} "
         f"tokens, vocab {meta['vocab_size']} ({meta['tokenizer']['kind']}), {meta['dtype']}, "
         f"{len(meta['sources'])} file(s), {meta['seconds']:.1f}s"
     )
     return exitcodes.OK
+
+
+if __name__ == "__main__":  # `python -m ddp_train.prepare`, the same as `ddp-train prepare`
+    sys.exit(main())

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -260,3 +263,76 @@ def test_progress_bar_counts_mebibytes(tmp_path, capsys):
     draws = [d for d in err.split("\r\x1b[K") if d.startswith("[")]
     assert len(draws) == mib and draws[-1].startswith("[" + "#" * 30 + f"] {mib}/{mib} MiB"), draws[-3:]
     assert draws[0].startswith(f"[{'#' * (30 // mib)}") and f"] 1/{mib} MiB" in draws[0]
+
+
+def group_processes(pgid: int) -> list[str]:
+    """'pid state' of every live process in process group `pgid` (zombies count as gone)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            found.append(f"{stat.parent.name} {fields[0]}")
+    return found
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "SIGTERM"])
+def test_a_stop_mid_run_removes_what_it_wrote_and_leaves_no_prepared_look(tmp_path, sig):
+    """Ctrl-C (SIGINT to the whole foreground group, workers included) or SIGTERM while 2 workers
+    encode: exit 128 + signal in one line, no *.tmp left, no meta.json (an earlier run's is removed
+    first: the new bins may already have replaced the old), no process left. Was: the Pool hung for
+    ever in terminate() once its workers died of the SIGINT, *.tmp and the old meta.json left."""
+    big, out = tmp_path / "big.txt", tmp_path / "out"
+    big.write_text("".join(numbered_lines(300, 7)), encoding="utf-8")
+    assert prepare(big, "--out", out, "--workers", 1) == 0  # an earlier, complete run in DIR
+    block = "".join(numbered_lines(2000, 7)).encode("utf-8")
+    with open(big, "wb") as f:
+        while f.tell() < 160 << 20:
+            f.write(block)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ddp_train.prepare",
+            str(big),
+            "--out",
+            str(out),
+            "--workers",
+            "2",
+            "--progress",
+            "always",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        progress = ""
+        while "1/" not in progress and proc.poll() is None:  # a chunk is encoded and written to DIR
+            progress += proc.stderr.read(1)
+        os.killpg(proc.pid, sig)
+        err = progress + proc.communicate(timeout=60)[1]
+        assert proc.returncode == 128 + sig, err
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    lines = [ln for ln in err.split("\x1b[K")[-1].splitlines() if not ln.startswith("[")]  # past the bar
+    assert lines == [f"ddp-train prepare: stopped by {sig.name}: {out} holds no prepared data (no meta.json)"]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert sorted(p.name for p in out.iterdir() if p.suffix in (".tmp", ".json")) == []
+    deadline = time.monotonic() + 10
+    while group_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert group_processes(proc.pid) == []
+
+
+def test_python_m_ddp_train_prepare_is_the_command(tmp_path):
+    """`stage --help` names `python -m ddp_train.prepare`: it printed nothing and exited 0."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddp_train.prepare", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: ddp-train prepare"), proc
