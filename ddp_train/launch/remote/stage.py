@@ -408,8 +408,8 @@ def add_parser(sub: Any) -> None:
         "with the same hash are\nskipped, an interrupted copy continues where it stopped. The controller "
         "sends each byte once, to one\nnode; the nodes pass it on to each other over the training network "
         "(ddp_network_cidr).\nA relative DEST is taken against ddp_workdir, as a relative data.tokens.path "
-        "is; absolute or ~ paths as given.\nData already on a node: run `ddp_train.prepare` there instead "
-        '(README, "Your data"; docs/data.md).',
+        "is; absolute or ~ paths as given.\nText already on a node: run `ddp-train prepare` (or `python -m "
+        'ddp_train.prepare`) there instead\n(README, "Your data"; docs/data.md).',
     )
     p.add_argument("src", metavar="SRC", help="a local file or directory")
     p.add_argument("--to", dest="dest", required=True, metavar="DEST", help="the directory on every node")
