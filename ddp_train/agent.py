@@ -26,8 +26,12 @@ that a stop ends as one line and an exit code instead of torchrun's traceback:
   (DDP_STACK_DIR, ddp_train/stackdump.py), agent.log and torchrun's --log-dir go there. It is removed
   at the end (`_clean`) unless an agent.log stays in it for whoever looks.
 
-Only the standard library (and ddp_train.console, which needs no more) is imported before torchrun runs
-(torch comes with torchrun's script).
+- The compile caches (ddp_train/cachedirs.py): TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR for every
+  rank, made 0700 or checked (this user's, writable by nobody else) before torchrun starts, so a user
+  script that calls torch.compile gets them too; a directory another user made is refused in one line.
+
+Only the standard library (and ddp_train.console and ddp_train.cachedirs, which need no more) is imported
+before torchrun runs (torch comes with torchrun's script).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import tempfile
 import threading
 import time
 
+from ddp_train import cachedirs
 from ddp_train.console import emit_line
 
 ENV_LINE_LIMIT = 1 << 20  # one JSON object, the job's environment
@@ -82,8 +87,14 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         env = read_env(sys.stdin.buffer)
+        # every rank's torch.compile caches, in directories only this user can write (a ddp_env value
+        # is checked, not replaced): the trainer's ranks check again, a user script's do not
+        env.update(cachedirs.compile_cache_env({**os.environ, **env}))
     except (ValueError, UnicodeDecodeError) as e:
         print(f"ddp-agent: error: stdin: {e}", file=sys.stderr)
+        return 2
+    except cachedirs.CacheDirError as e:
+        print(f"ddp-agent: error: {e}", file=sys.stderr)
         return 2
     except _Stopped as e:
         return _report(_stopped_line(e.signum, started=False))

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_train import checkpoint, distributed, exitcodes, stackdump, storage
+from ddp_train import cachedirs, checkpoint, distributed, exitcodes, stackdump, storage
 from ddp_train.checkpoint import Checkpointer, params_sha256
 from ddp_train.config import Config, ConfigError
 from ddp_train.console import emit_line
@@ -439,6 +439,7 @@ def run(cfg: Config, source: str = "config") -> int:
         distributed.make_dump_dirs()  # on every rank: only rank 0 creates the run directory
         if cfg.train.compile:
             os.environ.update(distributed.compile_threads_env(env))
+            os.environ.update(cachedirs.compile_cache_env(os.environ))  # inductor/Triton caches: 0700, ours
         distributed.init(cfg.dist, env, device, distributed.first_step_timeout_s(cfg.dist, cfg.train.compile))
         trainer = Trainer(cfg, env, device, stop)
         code = trainer.fit()
