@@ -12,6 +12,7 @@ import re
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -138,6 +139,9 @@ def test_three_nodes_through_sbatch_finish_with_identical_params(cluster) -> Non
     assert "RUNNING" in states and states[-1] == "COMPLETED", out
     assert states.index("RUNNING") < states.index("COMPLETED")
     assert f"MASTER_ADDR={tb.hosts()[0].ip}" in out  # node 0's own address in ddp_network_cidr
+    # the batch output (the driver's and every node's lines) is the submitter's alone, whatever the umask
+    batch_out = root / "work" / f"ddp-slurm-{slurm_id}.out"
+    assert stat.S_IMODE(batch_out.stat().st_mode) == 0o600, oct(batch_out.stat().st_mode)
     code, status = ddp_launch(["status", "sl-ok"], root, 120)
     assert code == 0 and f"Slurm job {slurm_id}: COMPLETED" in status and "exit 0" in status, status
     logs = root / "logs" / "sl-ok"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -592,3 +593,35 @@ def test_a_job_that_failed_before_its_driver_started_shows_the_batch_output(
     assert "Slurm job 7 failed before its driver started; /root/ddp-slurm-7.out on n0:" in notes
     assert [text for _, label, text in lines if label == "n0 batch"] == output.strip().splitlines()
     assert notes[-1] == f"Slurm job 7 FAILED: {failure}"
+
+
+def test_sbatch_runs_with_slurm_umask_0077_and_gives_the_driver_the_submitters_umask(tmp_path: Path) -> None:
+    """slurmstepd creates ddp-slurm-<id>.out with SLURM_UMASK (sbatch(1)): 0600 whatever the submitter's
+    umask; the submitter's own umask reaches the batch script's environment for the driver (#44)."""
+    fake = tmp_path / "sbatch"
+    fake.write_text('#!/bin/sh\necho "$SLURM_UMASK $DDP_SUBMIT_UMASK $*"; cat >/dev/null\n')
+    fake.chmod(0o755)
+    res = subprocess.run(
+        ["sh", "-c", f"umask 022; {submit.SBATCH}"], input="#!/bin/python\n", capture_output=True, text=True,
+        env={"PATH": f"{tmp_path}:/usr/bin:/bin"}, timeout=30,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["0077", "0022", "--parsable"]
+
+
+def test_the_driver_narrows_its_output_file_and_puts_back_the_submitters_umask(tmp_path: Path) -> None:
+    out = tmp_path / "ddp-slurm-9.out"
+    out.write_text("")
+    out.chmod(0o644)  # an earlier job of the same number, or a Slurm that ignored SLURM_UMASK
+    with out.open("a") as f:
+        driver.private_output(f.fileno())
+    assert out.stat().st_mode & 0o777 == 0o600
+    old = os.umask(0o077)
+    try:
+        driver.restore_umask({"DDP_SUBMIT_UMASK": "0022"})
+        assert os.umask(0o077) == 0o022
+        driver.restore_umask({})  # sbatch --export=NONE: 0077 stays
+        driver.restore_umask({"DDP_SUBMIT_UMASK": "22; rm -rf /"})
+        assert os.umask(0o077) == 0o077
+    finally:
+        os.umask(old)

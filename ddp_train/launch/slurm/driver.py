@@ -31,6 +31,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import IO, Any
 
 STOP = b"stop\n"
+SUBMIT_UMASK = "DDP_SUBMIT_UMASK"  # the submit shell's umask, in the batch script's environment (submit.py)
 DRIVER_LOG = "driver.log"  # the driver's own lines (and srun's), beside the nodes' r<N>-<host>.log
 LABEL = re.compile(r"^\s*(\d+): ?(.*)$")  # srun --label: "<task id>: line"
 STOP_DELAY_S = 1.0  # a stop line waits this long for Slurm's own SIGTERM of the same scancel
@@ -126,6 +128,8 @@ def free_port(addr: str, first: int) -> int:
 def main(blob: str, early: Sequence[int] = ()) -> int:
     """The batch script's driver; `early`: stop signals its prologue caught before this ran (a time
     limit's USR1 can come at once: Slurm sends it up to 60 s before its lead, sbatch(1) --signal)."""
+    private_output()
+    restore_umask()
     job: dict[str, Any] = json.loads(base64.b64decode(blob))
     slurm_job = os.environ.get("SLURM_JOB_ID", "0")
     hosts = subprocess.run(
@@ -157,6 +161,27 @@ def main(blob: str, early: Sequence[int] = ()) -> int:
     else:
         say(f"ddp-slurm: job {slurm_job}: done, exit {code}")  # DONE: the launcher ends here (submit.py)
     return code
+
+
+def private_output(fd: int = 1) -> None:
+    """The batch output file (the driver's stdout) 0600, as sbatch's SLURM_UMASK=0077 made it (submit.py
+    SBATCH); also one an earlier job of the same number left with another mode (--open-mode=truncate
+    keeps a file's mode). A pipe, a terminal or another user's file is left as it is."""
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077:
+            os.fchmod(fd, 0o600)
+    except OSError:
+        pass
+
+
+def restore_umask(environ: Mapping[str, str] = os.environ) -> None:
+    """The submitter's umask for what the job creates (checkpoints, logs): sbatch ran with SLURM_UMASK=0077
+    for its output file, and slurmstepd gave the batch script that umask too. DDP_SUBMIT_UMASK is the
+    submit shell's `umask` (submit.py SBATCH); without it (sbatch --export=NONE) 0077 stays."""
+    value = environ.get(SUBMIT_UMASK, "")
+    if re.fullmatch(r"0?[0-7]{3}", value):
+        os.umask(int(value, 8))
 
 
 def _fresh_log_dir(out_dir: Path) -> Path | None:

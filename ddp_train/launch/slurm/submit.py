@@ -37,6 +37,15 @@ if TYPE_CHECKING:
     from ddp_train.launch.remote.remote import Session
 
 POLL_S = 1.0
+# sbatch with SLURM_UMASK=0077: slurmstepd sets that umask before it creates the batch output file
+# (ddp-slurm-<id>.out: the driver's lines, the nodes' output), so the file is 0600, not the submitter's
+# umask (often 0644). sbatch(1), INPUT ENVIRONMENT VARIABLES: "SLURM_UMASK: If defined, Slurm will use
+# the defined umask to set permissions when creating the output/error files for the job"; Slurm 22.05
+# src/slurmd/slurmstepd/mgr.c: set_umask(job) before _setup_normal_io(job). No #SBATCH option sets it
+# (--open-mode only chooses append or truncate). The batch script inherits that umask too: the driver
+# puts back the submitter's own (DDP_SUBMIT_UMASK, driver.py restore_umask) for what the job creates.
+# sh -c: whatever the login shell on the submit host is.
+SBATCH = "sh -c " + shlex.quote('SLURM_UMASK=0077 DDP_SUBMIT_UMASK="$(umask)" exec sbatch --parsable')
 COMPLETING_WAIT_S = 10.0  # a job whose batch script is done may stay COMPLETING this long before we report
 
 
@@ -181,7 +190,7 @@ class SlurmBackend:
                 log.note("nothing was submitted (fix the lines above, or --skip-preflight)")
                 raise Refused(exitcodes.PREFLIGHT)
             script = batch_script(plan, self.s, preflight=not self.cfg.skip_preflight)
-            rc, out = session.exec("sbatch --parsable", 60, stdin=script.encode())
+            rc, out = session.exec(SBATCH, 60, stdin=script.encode())
         except RemoteError as e:
             log.note(f"preflight failed: Slurm is not reachable: {e}; nothing was submitted")
             raise Refused(exitcodes.PREFLIGHT) from None
