@@ -3,6 +3,7 @@ every entry, the widened secret rule, stale pids never signalled, teardown scope
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import secrets
@@ -72,6 +73,64 @@ def test_dry_run_masks_widened_names_url_passwords_and_marked_variables(
     names = [*SECRET_ENV, "FROM_SHELL"]
     assert {k: shown[k] for k in names} == dict.fromkeys(names, "***")
     assert shown["VISIBLE"] == "v1"
+
+
+# Real-world names (issue #44): passwords, personal access tokens and credentials under their short
+# names, and Azure/ADO connection strings whose secret is in the value; and names that only look alike.
+SHOULD_MASK = [
+    "DB_PASS", "SMTP_PASS", "MYSQL_PASS", "REDIS_PASS2", "dbPass", "db.pass", "PGPASSWORD", "DB_PW",
+    "GITHUB_PAT", "GH_PAT", "AZURE_DEVOPS_PAT", "githubPat", "AWS_CREDS", "GCP_CREDS", "APP_CRED",
+    "HF_TOKEN", "WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY", "GIT_CREDENTIALS",
+]  # fmt: skip
+SHOULD_NOT_MASK = [
+    "PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "TOKENIZERS_PARALLELISM", "data.tokens.path", "PASSTHROUGH",
+    "NCCL_PASS_THROUGH", "NUM_PASSES", "BYPASS_CACHE", "COMPASS_DIR", "EARLY_STOP_PATIENCE", "SPATIAL_DIMS",
+    "CREDIT_LIMIT", "MASTER_ADDR", "NCCL_SOCKET_IFNAME", "CUDA_VISIBLE_DEVICES", "HF_HOME", "OMP_NUM_THREADS",
+]  # fmt: skip
+CONNECTION_STRINGS = [
+    "DefaultEndpointsProtocol=https;AccountName=acct;AccountKey=Zq83k==;EndpointSuffix=core.windows.net",
+    "Endpoint=sb://ns.servicebus.windows.net/;SharedAccessKeyName=send;SharedAccessKey=Zq83k=",
+    "BlobEndpoint=https://acct.blob.core.windows.net/;SharedAccessSignature=sv=2022-11-02&sig=Zq83",
+    "https://acct.blob.core.windows.net/c/x.bin?sv=2022-11-02&se=2030-01-01&sp=r&sig=Zq83%2Bk%3D",
+    "Server=db.example;Database=runs;User Id=ddp;Password=Zq83pw;",
+    "Driver={PostgreSQL};Server=db;Uid=ddp;Pwd=Zq83pw",
+]
+
+
+@pytest.mark.parametrize("name", SHOULD_MASK)
+def test_names_of_passwords_pats_and_credentials_are_secret(name: str) -> None:
+    from ddp_train.launch.plan.plan import is_secret
+
+    assert is_secret(name, "v")
+
+
+@pytest.mark.parametrize("name", SHOULD_NOT_MASK)
+def test_names_that_only_look_like_secrets_are_shown(name: str) -> None:
+    from ddp_train.launch.plan.plan import is_secret
+
+    assert not is_secret(name, "/usr/bin:/bin")
+
+
+@pytest.mark.parametrize("value", CONNECTION_STRINGS)
+def test_a_connection_string_with_a_key_or_password_is_secret_whatever_its_name(value: str) -> None:
+    from ddp_train.launch.plan.plan import is_secret
+
+    assert is_secret("STORAGE", value)
+    assert not is_secret("STORAGE", "AccountName=acct;EndpointSuffix=core.windows.net")
+
+
+def test_dry_run_masks_db_pass_and_an_azure_connection_string(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    env = {"DB_PASS": "pw-Zq83-dbpass", "GITHUB_PAT": "ghp_Zq83pat", "STORAGE": CONNECTION_STRINGS[0]}
+    inv = inventory(tmp_path, ddp_env={**env, "PATH": "/usr/bin:/bin"})
+    code, out, err = run_main(["--hosts", str(inv), "--job-id", "sec-pass", "--dry-run"], capsys)
+    assert code == 0, err
+    for secret in ["pw-Zq83-dbpass", "ghp_Zq83pat", "Zq83k=="]:
+        assert secret not in out + err, secret
+    line = next(ln for ln in out.splitlines() if ln.startswith("# environment"))
+    shown = json.loads(line.split(": ", 1)[1])
+    assert {k: shown[k] for k in env} == dict.fromkeys(env, "***") and shown["PATH"] == "/usr/bin:/bin"
 
 
 def test_secret_env_takes_a_name_never_a_value(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -371,7 +430,8 @@ def test_torchruns_log_directory_is_made_in_the_agents_private_directory_and_rem
     private, error_file, rank_tmp = json.loads(res.stdout.strip().splitlines()[-1])
     assert Path(error_file).is_relative_to(private) and Path(private).name.startswith("ddp-agent-sec-logs-")
     assert rank_tmp == str(tmp_path)  # the ranks keep $TMPDIR
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank.py"]  # nothing of the agent's is left
+    # nothing of the agent's is left but the ranks' compile cache, 0700 and kept for the next job (#44)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank.py", f"torchinductor_{getpass.getuser()}"]
 
 
 def test_a_log_dir_given_to_torchrun_wins_over_the_agents() -> None:

@@ -27,15 +27,27 @@ from ddp_train.launch.plan.scriptcheck import ScriptCheck
 from ddp_train.launch.remote.sync import Manifest, remote_dir
 
 PGID_MARKER = "DDP-LAUNCH-PGID"
-# A value is secret when its name looks like one, when it holds a URL with a password (user:pass@host),
-# or when the inventory (ddp_secret_env) or the command line (--secret-env) marks it so.
+# A value is secret when its name looks like one, when it holds a URL with a password (user:pass@host) or
+# a connection string's key, or when the inventory (ddp_secret_env) or the command line (--secret-env)
+# marks it so.
 # TOKEN but not TOKENS/TOKENIZER: `data.tokens.path` (the trainer's token files) and
 # TOKENIZERS_PARALLELISM are no secrets, and masking them hid the data path and broke `restart`
 SECRET_NAME = re.compile(
     r"TOKEN(?!S|IZ)|KEY|SECRET|PASSWORD|PASSWD|PASSPHRASE|PWD|CREDENTIAL|AUTH|COOKIE|PRIVATE|SIGNATURE",
     re.IGNORECASE,
 )
+# Short names only as a whole word part (DB_PASS, dbPass, GITHUB_PAT, AWS_CREDS, DB_PW): as substrings they
+# are in PATH, PASSES, BYPASS, PATIENCE, CREDIT. PASS_THROUGH (a flag, like PASSTHROUGH) is no password.
+SECRET_WORDS = frozenset({"PASS", "PW", "PAT", "CRED", "CREDS"})
+WORD_PART = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 URL_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/@\s:]*:[^/@\s]+@")
+# The secret fields of connection strings (Azure storage and Service Bus, ADO.NET, ODBC) and of Azure SAS
+# and S3 presigned URLs: the value is a secret whatever its name.
+VALUE_SECRET = re.compile(
+    r"(?:^|[;\s])(?:AccountKey|SharedAccessKey|SharedAccessSignature|Password|Pwd)\s*="
+    r"|[?&](?:sig|X-Amz-Signature)=",
+    re.IGNORECASE,
+)
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MASK = "***"
 DEBUG_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET", "TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
@@ -145,8 +157,23 @@ class JobPlan:
 
 
 def is_secret(name: str, value: str = "", marked: frozenset[str] | set[str] = frozenset()) -> bool:
-    """A variable whose value must never be shown: marked, named like a secret, or a URL with a password."""
-    return name in marked or bool(SECRET_NAME.search(name)) or bool(URL_PASSWORD.search(value))
+    """A variable whose value must never be shown: marked, named like a secret, or a value holding a
+    password or key (a URL with user:pass@, a connection string's AccountKey=, a SAS URL's sig=)."""
+    return (
+        name in marked
+        or bool(SECRET_NAME.search(name))
+        or _secret_word(name)
+        or bool(URL_PASSWORD.search(value) or VALUE_SECRET.search(value))
+    )
+
+
+def _secret_word(name: str) -> bool:
+    """A short secret word as a whole part of the name: DB_PASS, dbPass, GITHUB_PAT (not PATH, PASSES)."""
+    parts = [p.upper() for p in WORD_PART.findall(name)]
+    return any(
+        p in SECRET_WORDS and not (p == "PASS" and parts[i + 1 : i + 2] == ["THROUGH"])
+        for i, p in enumerate(parts)
+    )
 
 
 def check_job_id(job_id: str, flag: str = "--job-id") -> str:
