@@ -301,3 +301,30 @@ def test_the_exporter_port_is_open_to_the_monitoring_host_only(playbook, tmp_pat
     assert "ip saddr @monitoring_sources tcp dport { 9100, 9400 } accept" in dcgm["nft"]
     plain = _render(playbook, tmp_path, inventory=_inventory(tmp_path, NODES))
     assert "monitoring" not in plain["nft"] and not [r for r in plain["rich_rules"] if "9100" in r]
+
+
+def test_prometheus_is_open_to_the_monitoring_sources_only_on_the_monitoring_host(playbook, tmp_path):
+    """Prometheus answers queries without authentication (issue #44): on the monitoring host its port is
+    decided like the exporters', open to the monitoring sources only (the host itself, by default)."""
+    got = _render(playbook, tmp_path, inventory=_monitored_inventory(tmp_path), rules_host="node0")
+    assert (
+        'rule family="ipv4" source address="10.1.0.10" port port="9090" protocol="tcp" accept'
+        in got["rich_rules"]
+    )
+    assert not [r for r in got["rich_rules"] if 'port="9090"' in r and "10.1.0.10" not in r]
+    assert "ip saddr @monitoring_sources tcp dport { 9100, 9090 } accept" in got["nft"]
+    assert 'tcp dport { 9100, 9090 } counter drop comment "ddp-train: not the monitoring host"' in got["nft"]
+    # the admin's port and sources; the other nodes run no Prometheus; 0 leaves the port to the admin
+    mine = _render(
+        playbook, tmp_path, inventory=_monitored_inventory(tmp_path), rules_host="node0",
+        monitoring_prometheus_port=9091, firewall_monitoring_sources=["10.1.0.10", "10.1.0.200"],
+    )  # fmt: skip
+    assert "ip saddr @monitoring_sources tcp dport { 9100, 9091 } accept" in mine["nft"]
+    assert "elements = { 10.1.0.10, 10.1.0.200 }" in mine["nft"]
+    other = _render(playbook, tmp_path, inventory=_monitored_inventory(tmp_path), rules_host="node1")
+    assert "9090" not in other["nft"]
+    off = _render(
+        playbook, tmp_path, inventory=_monitored_inventory(tmp_path), rules_host="node0",
+        firewall_monitoring_prometheus_port=0,
+    )  # fmt: skip
+    assert "9090" not in off["nft"] and "tcp dport { 9100 } counter drop" in off["nft"]

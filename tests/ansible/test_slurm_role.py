@@ -138,6 +138,33 @@ def test_a_munge_key_from_the_inventory_is_used_without_its_line_breaks(playbook
     assert got["munge_key_b64"] == key.replace("\n", "")
 
 
+@pytest.mark.parametrize(
+    ("fact", "value", "why"),
+    [
+        ("__slurm_hostname", "g1\nSlurmUser=root", "not an RFC 1123 host name"),  # a line of its own
+        ("__slurm_hostname", "g1 NodeAddr=6.6.6.6", "not an RFC 1123 host name"),
+        ("__slurm_hostname", "G0", "another node reports it too"),
+        ("__slurm_address", "10.1.0.0/24", "not one IPv4 address in 10.1.0.0/24"),
+        ("__slurm_address", "6.6.6.6", "outside 10.1.0.0/24"),
+    ],
+)
+def test_a_crafted_hostname_or_address_never_reaches_slurm_conf(playbook, tmp_path, fact, value, why):
+    """What gpu-1 reports about itself (issue #44): refused in one line naming the node and the fact."""
+    path = Path(_inventory(tmp_path))
+    inv = yaml.safe_load(path.read_text())
+    inv["all"]["children"]["gpu_nodes"]["hosts"]["gpu-1"][fact] = value
+    path.write_text(yaml.safe_dump(inv))
+    extra = {"ddp_network_cidr": "10.1.0.0/24", "conf_file": str(tmp_path / "conf.json")}
+    extra["ansible_python_interpreter"] = sys.executable
+    res = playbook("-i", str(path), "-c", "local", "-e", json.dumps(extra), PLAY)
+    assert res.returncode != 0 and not (tmp_path / "conf.json").exists(), res.out[-2000:]
+    msgs = re.findall(r'"msg": "(slurm: [^"]*)"', res.out)
+    assert len(msgs) == 1 and "\\n" not in msgs[0], res.out[-2000:]
+    label = fact.removeprefix("__slurm_")
+    assert msgs[0].startswith("slurm: "), msgs[0]
+    assert re.search(rf"gpu-1 reports {label} '[^']*' \({re.escape(why)}\)", msgs[0]), msgs[0]
+
+
 def test_the_firewall_opens_the_srun_range_the_role_configures():
     slurm = yaml.safe_load((REPO_ROOT / "roles/slurm/defaults/main.yml").read_text())
     firewall = yaml.safe_load((REPO_ROOT / "roles/firewall/defaults/main.yml").read_text())
