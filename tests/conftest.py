@@ -112,3 +112,11 @@ def testbed():
     """
     with private_testbed(worker_prefix(DEFAULT_PREFIX), worker_net(DEFAULT_NET), 3) as tb:
         yield tb
+
+
+@pytest.fixture(scope="session")
+def users_tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Token files made by `ddp-train prepare`, for runs in the users' configuration (tests/usershape.py)."""
+    from tests.usershape import prepared_tokens
+
+    return prepared_tokens(tmp_path_factory.mktemp("users"))
