@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from ddp_train import checkpoint
+from tests import usershape
 from tests.cluster.test_launch_testbed import job_pids
 from tests.reliability.support import LAUNCH, job_id, local_inventory
 
@@ -152,3 +153,45 @@ def test_detach_status_attach_stop_resume_and_a_killed_monitor(tmp_path: Path) -
 def log_of(cwd: Path, job: str) -> str:
     path = cwd / "logs" / job / "console.log"
     return path.read_text() if path.exists() else ""
+
+
+def test_the_users_walk_through_stop_saves_that_step_exits_143_and_resumes_from_it(
+    tmp_path: Path, users_tokens: Path
+) -> None:
+    """#42's walk-through, as a new user runs it: gpt-tiny on token files made by `prepare`, a loader
+    worker per rank, ~20 MB checkpoints with replicas; `--detach`, then `ddp-launch stop`. Was: both ranks
+    died of "DataLoader worker (pid N) is killed by signal: Terminated", nothing saved, FAILED."""
+    inv = local_inventory(tmp_path)
+    train = [*usershape.trainer_args(users_tokens, steps=40), "--set", "debug.step_delay_s=0.2"]
+    base = ["--hosts", str(inv), *train, "--set", f"run.dir={tmp_path / 'runs'}"]
+    ckpts = tmp_path / "runs" / "gpt-tiny" / "checkpoints"
+    job = job_id("walk")
+    try:
+        out = launch([*base, "--detach", "--job-id", job], tmp_path)
+        assert out.returncode == 0, out.stdout
+        wait_until(lambda: stepped(tmp_path, job, 12), 90, "step 12")  # past the first periodic save
+        stopped = launch(["stop", job], tmp_path)
+        text = log_of(tmp_path, job)
+        assert stopped.returncode == 0, stopped.stdout + text
+        m = re.search(
+            rf"job {job} stopped \(received SIGTERM\) after step (\d+), checkpoint saved", stopped.stdout
+        )
+        assert m, stopped.stdout + text
+        step = int(m.group(1))
+        assert 12 <= step < 40, stopped.stdout
+        assert "DataLoader worker" not in text and "Traceback" not in text, text
+        assert state(tmp_path, job)["exit_code"] == 143 and job_pids(job) == []
+        assert checkpoint.list_checkpoints(ckpts)[-1][0] == step and not list(ckpts.glob("*.tmp"))
+    finally:
+        cleanup(tmp_path, job)
+
+    resumed = job_id("walk-res")
+    try:
+        out = launch([*base, "--job-id", resumed], tmp_path, timeout=240)
+        assert out.returncode == 0, out.stdout
+        resumed_at = rf"\[local0 r0\] .*INFO resumed from \S+step-{step:08d}\.pt at step {step}"
+        assert re.search(resumed_at, out.stdout), out.stdout
+        assert re.search(r"ddp-train: final rank=0 world=2 step=40 ", out.stdout), out.stdout
+        assert job_pids(resumed) == []
+    finally:
+        cleanup(tmp_path, resumed)

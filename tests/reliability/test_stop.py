@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from ddp_train import checkpoint
+from tests import usershape
 from tests.cluster.test_launch_testbed import Launcher, job_pids
 from tests.reliability.support import TRAIN_30, finals, job_id, local_inventory, stop
 
@@ -28,13 +29,21 @@ pytestmark = pytest.mark.slow
 SLOW = ["--set", "debug.step_delay_s=0.4"]  # changes no number: the kill lands mid-run
 
 
-@pytest.mark.parametrize("how", ["SIGINT", "SIGTERM", "timeout"])
+@pytest.mark.parametrize(
+    ("how", "shape"),
+    [("SIGINT", "demo"), ("SIGINT", "users"), ("SIGTERM", "users"), ("timeout", "users")],
+)
 def test_stop_saves_that_step_and_the_same_command_resumes_bit_exact(
-    how: str, tmp_path: Path, reference_sha: str
+    how: str, shape: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
+    """demo: default.yaml, bit-exact against an uninterrupted run; users: the configuration users train
+    with (tests/usershape.py: prepared tokens, a loader worker per rank, ~20 MB checkpoints, replicas),
+    where a stop used to kill the loader workers and the ranks failed without saving (#42). SIGTERM and
+    --timeout (a SIGTERM to every node) run in the users' configuration only: the suite's time."""
     inv = local_inventory(tmp_path)
-    base = ["--hosts", str(inv), *TRAIN_30, "--set", f"run.dir={tmp_path / 'runs'}"]
-    ckpts = tmp_path / "runs" / "default" / "checkpoints"
+    train = TRAIN_30 if shape == "demo" else usershape.trainer_args(request.getfixturevalue("users_tokens"))
+    base = ["--hosts", str(inv), *train, "--set", f"run.dir={tmp_path / 'runs'}"]
+    ckpts = tmp_path / "runs" / ("default" if shape == "demo" else "gpt-tiny") / "checkpoints"
     stopped_id = job_id(f"st-{how.lower()}")
     extra = ["--timeout", "10"] if how == "timeout" else []  # 30 steps take > 12 s
     run = Launcher([*base, "--job-id", stopped_id, *SLOW, *extra], tmp_path)
@@ -77,7 +86,10 @@ def test_stop_saves_that_step_and_the_same_command_resumes_bit_exact(
     assert resumed == [(str(ckpts / f"step-{step:08d}.pt"), str(step))], run.text
     got = finals(run.lines)
     assert [(rank, s) for _, _, rank, _, s, _ in sorted(got)] == [("0", "30"), ("1", "30")], run.text
-    assert {sha for *_, sha in got} == {reference_sha}, "resumed run differs from the uninterrupted one"
+    if shape == "demo":
+        reference = request.getfixturevalue("reference_sha")
+        assert {sha for *_, sha in got} == {reference}, "resumed run differs from the uninterrupted one"
+    assert job_pids(resumed_id) == []
     print(f"{how}: stopped after step {step}, resumed from it, parameters identical")
 
 
