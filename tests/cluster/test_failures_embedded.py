@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from ddp_train import checkpoint
+from tests import usershape
 from tests.cluster.test_launch_embedded import start
+from tests.cluster.test_launch_testbed import job_pids
 from tests.integration.test_failures_disk import tmpfs
 
 pytestmark = pytest.mark.slow
@@ -47,11 +49,20 @@ def test_disk_full_run_dir_is_one_line_with_its_path_and_a_short_console(tmp_pat
         assert f"resumed from {kept}" in out2, out2
 
 
-def test_stall_first_error_of_the_other_rank_is_the_watchdog_not_a_traceback(tmp_path: Path) -> None:
+def test_stall_first_error_of_the_other_rank_is_the_watchdog_not_a_traceback(
+    tmp_path: Path, users_tokens: Path
+) -> None:
+    """In the configuration users train with (tests/usershape.py: prepared tokens, a loader worker per
+    rank, ~20 MB checkpoints, replicas): rank 1 blocks after step 20; the watchdog ends the job, the
+    step-20 checkpoint is kept, the same command resumes from it, no process is left (#42)."""
+    train = [*usershape.trainer_args(users_tokens), "--set", f"run.dir={tmp_path / 'runs'}"]
     args = ["--job-id", "fe-stall", "--env", "DDP_DEBUG_STALL=1:20", "--stall-timeout", "15"]
-    proc = start([*args, "--set", f"run.dir={tmp_path / 'runs'}"], tmp_path)
+    proc = start([*args, *train], tmp_path)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 4, out
+    ckpts = tmp_path / "runs" / "gpt-tiny" / "checkpoints"
+    assert checkpoint.list_checkpoints(ckpts)[-1][0] == 20, out
+    assert job_pids("fe-stall") == []
     table = rows(out)
     assert table["local0"] == "stopped by the stall watchdog", out
     assert table["local1"].startswith("stalled"), out
@@ -64,3 +75,9 @@ def test_stall_first_error_of_the_other_rank_is_the_watchdog_not_a_traceback(tmp
     if "ddp-train: stopped: " in host_log:
         assert "Traceback (most recent call last)" in host_log, host_log
     assert "ddp-launch logs fe-stall --node local0" in out, out
+
+    again = start(["--job-id", "fe-stall2", *train], tmp_path)
+    out2, _ = again.communicate(timeout=300)
+    assert again.returncode == 0, out2
+    assert re.search(r"\[local0 r0\] .*INFO resumed from \S+step-00000020\.pt at step 20", out2), out2
+    assert job_pids("fe-stall2") == []
