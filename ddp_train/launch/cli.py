@@ -26,17 +26,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ddp_train import exitcodes
+from ddp_train.launch.cliparse import COMMANDS, MONITOR_ARGS, MONITOR_REQUEST
 from ddp_train.launch.errors import LaunchError, one_line
 
 if TYPE_CHECKING:  # the heavy modules load only when a command needs them
     from ddp_train.launch.pipeline import LaunchConfig
     from ddp_train.launch.plan.plan import JobPlan
     from ddp_train.launch.slurm.settings import SlurmSettings
-
-MONITOR_ARGS = "--monitor-args-file"  # what --detach starts: `cli --monitor-args-file FILE`
-MONITOR_REQUEST = "--monitor-request-file"  # what --detach starts on the cluster (jobs/clustermon.py)
-COMMANDS = ("run", "doctor", "check-script", "jobs", "status", "logs", "attach", "stop")
-COMMANDS += ("stage", "fetch", "restart")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -120,7 +116,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if opts.command in ("fetch", "restart"):
         from ddp_train.launch.jobs.fetch import main as results_command
 
-        return results_command(opts)
+        return results_command(opts, main)  # restart: the recorded command, through this main again
     if opts.command not in ("run", "doctor"):
         from ddp_train.launch.jobs.jobcmds import main as job_command
 

@@ -1,16 +1,31 @@
 """`ddp-launch`'s command line: argparse subcommands over a parent parser that run and doctor share.
 
-`run` is implied when the first argument is not a command (cli.py).
+`run` is implied when the first argument is not a command (cli.py). The whole grammar is here, the job
+commands' included: this module imports none of the features it parses for (cli.py wires each command
+to its module), so a feature that re-reads a recorded command line (jobs/recorded.py) can import it.
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from ddp_train import exitcodes
 from ddp_train.cliargs import Parser
+from ddp_train.launch.plan.inventory import DEFAULT_INVENTORY
 
-DEFAULT_INVENTORY = "inventory/local"
+COMMANDS = ("run", "doctor", "check-script", "jobs", "status", "logs", "attach", "stop")
+COMMANDS += ("stage", "fetch", "restart")
+MONITOR_ARGS = "--monitor-args-file"  # what --detach starts: `cli --monitor-args-file FILE`
+MONITOR_REQUEST = "--monitor-request-file"  # what --detach starts on the cluster (jobs/clustermon.py)
+FETCH_WHAT = ("best", "last", "metrics")  # `fetch JOB WHAT` (jobs/fetch.py)
+JOB_COMMANDS = {  # launch/jobs/jobcmds.py
+    "jobs": "List the jobs under the log directory: id, state, nodes, step, started, elapsed.",
+    "status": "One job: its state and, per node, the latest step, loss, tokens/s, ETA and last output.",
+    "logs": "Print a job's output (every node, as the launcher showed it) or one node's log.",
+    "attach": "Follow a job's output live; Ctrl-C detaches (the job keeps running).",
+    "stop": "Stop a job gracefully: every rank finishes its step, rank 0 saves a checkpoint.",
+}
 EPILOG = (
     """examples:
   ddp-launch --hosts inventory/local                       # two local nodes, no SSH
@@ -34,10 +49,7 @@ EPILOG = (
 
 
 def build_parser() -> Parser:
-    """ddp-launch's parser: run, doctor, check-script and the job commands (launch/jobs/jobcmds.py)."""
-    from ddp_train.launch.jobs import fetch, jobcmds
-    from ddp_train.launch.remote import stage
-
+    """ddp-launch's parser: run, doctor, check-script, the job commands, stage, fetch and restart."""
     top = Parser(prog="ddp-launch", label="ddp-launch", hint="ddp-launch --help")
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
     shared = {"parents": [_common()], "label": "ddp-launch", "hint": "ddp-launch --help", "epilog": EPILOG,
@@ -76,9 +88,9 @@ def build_parser() -> Parser:
         "--sync", metavar="DIR", help="the directory shipped with the script (its modules count)"
     )
     check.add_argument("script", metavar="SCRIPT")
-    jobcmds.add_parsers(sub)
-    stage.add_parser(sub)
-    fetch.add_parsers(sub)
+    _job_parsers(sub)
+    _stage_parser(sub)
+    _fetch_parsers(sub)
     return top
 
 
@@ -299,3 +311,82 @@ def _slurm_options(run: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-requeues", type=int, metavar="N", help="requeues at most [slurm_max_requeues, else 1]"
     )
+
+
+def _job_parsers(sub: Any) -> None:
+    """The job commands (launch/jobs/jobcmds.py) as subcommands (`sub`: add_subparsers())."""
+    for command, description in JOB_COMMANDS.items():
+        p = sub.add_parser(command, prog=f"ddp-launch {command}", description=description)
+        p.add_argument("--log-dir", default="logs", metavar="DIR", help="where the jobs' logs are [logs]")
+        if command != "jobs":
+            p.add_argument("job", metavar="JOB", help="job id (as `ddp-launch jobs` lists it)")
+        if command == "logs":
+            p.add_argument(
+                "-f", "--follow", action="store_true", help="keep printing new lines until the job ends"
+            )
+            p.add_argument("--node", metavar="HOST", help="that node's log only")
+        if command == "stop":
+            p.add_argument("--no-wait", action="store_true", help="return once the monitor got the signal")
+
+
+def _stage_parser(sub: Any) -> None:
+    """`stage` (launch/remote/stage.py): its own options plus the inventory and connection options run
+    and doctor have."""
+    p = sub.add_parser(
+        "stage",
+        prog="ddp-launch stage",
+        usage="ddp-launch stage SRC --to DEST --hosts INVENTORY [options]",
+        label="ddp-launch stage",
+        hint="ddp-launch stage --help",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Copy a file or directory to DEST on every node: sha256 per file, files already there "
+        "with the same hash are\nskipped, an interrupted copy continues where it stopped. The controller "
+        "sends each byte once, to one\nnode; the nodes pass it on to each other over the training network "
+        "(ddp_network_cidr).\nA relative DEST is taken against ddp_workdir, as a relative data.tokens.path "
+        "is; absolute or ~ paths as given.\nText already on a node: run `ddp-train prepare` (or `python -m "
+        'ddp_train.prepare`) there instead\n(README, "Your data"; docs/data.md).',
+    )
+    p.add_argument("src", metavar="SRC", help="a local file or directory")
+    p.add_argument("--to", dest="dest", required=True, metavar="DEST", help="the directory on every node")
+    p.add_argument(
+        "--hosts", "-i", action="append", metavar="INVENTORY", help="Ansible inventory (repeatable)"
+    )
+    p.add_argument(
+        "--extra-vars", "-e", action="append", default=[], metavar="VARS", help="as ansible-playbook -e"
+    )
+    p.add_argument("--group", help="node group [gpu_nodes if it has hosts, else all]")
+    p.add_argument("--limit", "-l", metavar="PATTERN", help="only these hosts (Ansible host pattern)")
+    p.add_argument("--exclude", action="append", default=[], metavar="PATTERN", help="leave these hosts out")
+    p.add_argument("--connect-timeout", type=float, default=10, metavar="S", help="SSH connect timeout [10]")
+    p.add_argument(
+        "--forks", type=int, metavar="N", help="nodes inspected at once [ddp_forks, else ansible's]"
+    )
+
+
+def _fetch_parsers(sub: Any) -> None:
+    """`fetch` and `restart` (launch/jobs/fetch.py, jobs/recorded.py) as subcommands."""
+    p = sub.add_parser(
+        "fetch",
+        prog="ddp-launch fetch",
+        description="Copy a packaged-trainer job's best.pt (best), newest checkpoint (last) or metrics.jsonl "
+        "(metrics) from rank 0's node, where the run wrote them, hash-checked.",
+    )
+    p.add_argument("--log-dir", default="logs", metavar="DIR", help="where the jobs' logs are [logs]")
+    p.add_argument("job", metavar="JOB", help="job id (as `ddp-launch jobs` lists it)")
+    p.add_argument(
+        "what", nargs="?", default="best", choices=FETCH_WHAT, help="best (default), last or metrics"
+    )
+    p.add_argument("--to", default=".", metavar="DIR", help="where the copy goes [.]")
+    p.add_argument("--connect-timeout", type=float, default=10, metavar="S", help="SSH connect timeout [10]")
+    r = sub.add_parser(
+        "restart",
+        prog="ddp-launch restart",
+        usage="ddp-launch restart [--log-dir DIR] JOB [launch options]",
+        description="Run a job's recorded command again (job.json), from its directory, as a new job that "
+        "resumes from the newest checkpoint: its --job-id and --fresh are dropped, the inventory is read "
+        "again, a masked --env NAME comes from this shell's $NAME. Launch options given here (e.g. "
+        "--exclude node0) are added after the recorded ones.",
+    )
+    r.add_argument("--log-dir", default="logs", metavar="DIR", help="where the jobs' logs are [logs]")
+    r.add_argument("job", metavar="JOB", help="job id (as `ddp-launch jobs` lists it)")
+    r.add_argument("extra", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)

@@ -50,7 +50,7 @@ def controller_limits(plan: JobPlan, opts: argparse.Namespace) -> None:
 
 
 def build(opts: argparse.Namespace, trainer_args: list[str], doctor: bool) -> JobPlan:
-    from ddp_train.launch.plan.inventory import ENV_NAME, load_nodes
+    from ddp_train.launch.plan.inventory import DEFAULT_INVENTORY, ENV_NAME, load_nodes
     from ddp_train.launch.plan.plan import Options, build_plan
 
     env = {}
@@ -92,8 +92,6 @@ def build(opts: argparse.Namespace, trainer_args: list[str], doctor: bool) -> Jo
             opts.overrides.append(FRESH)  # last, so it wins over a --set checkpoint.resume before it
         config, required = _check_config(opts.config, opts.overrides)
         required += opts.require
-    from ddp_train.launch.cliparse import DEFAULT_INVENTORY
-
     sources = opts.hosts or [DEFAULT_INVENTORY]
     nodes = load_nodes(
         sources, group=opts.group, limit=opts.limit, exclude=opts.exclude, extra_vars=opts.extra_vars
@@ -235,7 +233,7 @@ def _check_nproc(value: str | None) -> str | None:
 
 def slurm_settings(opts: argparse.Namespace) -> SlurmSettings | None:
     """The job's Slurm settings (--backend slurm, or ddp_backend: slurm); None for the SSH backend."""
-    from ddp_train.launch.cliparse import DEFAULT_INVENTORY
+    from ddp_train.launch.plan.inventory import DEFAULT_INVENTORY
     from ddp_train.launch.slurm import settings
 
     sources = opts.hosts or [DEFAULT_INVENTORY]

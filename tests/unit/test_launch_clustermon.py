@@ -150,13 +150,11 @@ def test_a_gone_unit_is_a_failure_whatever_its_state_file_says(
 def test_detach_stops_waiting_for_a_start_after_its_deadline(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    from ddp_train.launch.jobs import jobcmds
-
     job_dir = jobstate.private_dir(tmp_path / "j")
     _systemctl(monkeypatch, active=0, write_state=job_dir / jobstate.STATE_FILE)
-    monkeypatch.setattr(jobcmds, "DETACH_WAIT_S", 0.5)
+    monkeypatch.setattr(clustermon, "DETACH_WAIT_S", 0.5)
     t0 = time.monotonic()
-    assert jobcmds.start_monitor(["true"], "j", job_dir, where="", supervisor="systemd") == 0
+    assert clustermon.start_monitor(["true"], "j", job_dir, where="", supervisor="systemd") == 0
     assert time.monotonic() - t0 < 30
     out = capsys.readouterr().out
     assert "job j is still starting after 0 s" in out and str(job_dir / jobstate.CONSOLE_FILE) in out

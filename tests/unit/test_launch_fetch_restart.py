@@ -69,7 +69,7 @@ def test_a_job_monitored_on_the_cluster_names_its_monitor_host(
 
         data = fetch.load("j9", "logs", command=True)  # job.json is not here: the record's command
         assert data["argv"] == argv
-        assert recorded.restart("j9", data, ["--exclude", "n0"]) == 0
+        assert recorded.restart("j9", data, ["--exclude", "n0"], cli.main) == 0
         assert ran and "--exclude" in ran[0] and "--detach" in ran[0] and "HF_TOKEN=***" not in ran[0]
 
 

@@ -357,7 +357,7 @@ def test_detach_returns_the_monitors_failure_when_it_wrote_its_end_before_exitin
             self.waited = True
             return 3
 
-    monkeypatch.setattr(jobcmds.subprocess, "Popen", Monitor)
+    monkeypatch.setattr(subprocess, "Popen", Monitor)
     assert jobcmds.detach(["--hosts", "x"], "j1", str(tmp_path)) == 3
     out = capsys.readouterr().out
     assert "preflight failed" in out and "runs detached" not in out

@@ -189,7 +189,7 @@ def test_the_detached_monitor_gets_its_arguments_in_a_private_file_not_argv(
         def poll(self) -> int:
             return 3
 
-    monkeypatch.setattr(jobcmds.subprocess, "Popen", Monitor)
+    monkeypatch.setattr(subprocess, "Popen", Monitor)
     args = ["--hosts", "x", "--env", "HF_TOKEN=hf_Zq83-monitor"]
     assert jobcmds.detach(args, "sec-mon", str(tmp_path)) == 3
     assert started and not any("hf_Zq83-monitor" in a for a in started[0]), started

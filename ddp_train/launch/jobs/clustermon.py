@@ -30,8 +30,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddp_train import __version__, exitcodes
+from ddp_train.launch.cliparse import MONITOR_REQUEST  # cli: the monitor's launch request (a 0600 pickle)
 from ddp_train.launch.errors import LaunchError
 from ddp_train.launch.jobs import jobstate
+from ddp_train.launch.run.logs import show_new
 
 if TYPE_CHECKING:
     import argparse
@@ -40,10 +42,11 @@ if TYPE_CHECKING:
     from ddp_train.launch.plan.inventory import Node
     from ddp_train.launch.plan.plan import JobPlan
 
-MONITOR_REQUEST = "--monitor-request-file"  # cli: the monitor's launch request (a 0600 pickle)
 REQUEST_FILE = "monitor-request.pkl"
 PROXIED_ENV = "DDP_LAUNCH_PROXIED"  # set on the job commands clustermon.proxy runs on the monitor host
 UNIT_PREFIX = "ddp-job-"  # systemd-run's unit: ddp-job-<job>.service
+POLL_S = 0.3  # how often whoever follows a monitor (detach, logs -f, attach, stop) looks again
+DETACH_WAIT_S = 900.0  # --detach stops showing the start after this; the monitor goes on
 OPTIONS = ("connect_timeout", "net_timeout", "grace", "timeout", "stall_timeout", "overrides", "strict")
 HERE_WARNING = (
     "ddp-launch: warning: --monitor-here: the job's monitor runs on this machine; if it sleeps, loses its "
@@ -58,8 +61,7 @@ HERE_WARNING = (
 def monitor_node(plan: JobPlan, opts: argparse.Namespace) -> Node | None:
     """The host that runs the detached job's monitor: ddp_monitor_host (a node of the job, or any host
     of the inventory, such as a login node), else the master node. None when it is this machine."""
-    from ddp_train.launch.cliparse import DEFAULT_INVENTORY
-    from ddp_train.launch.plan.inventory import load_nodes
+    from ddp_train.launch.plan.inventory import DEFAULT_INVENTORY, load_nodes
 
     master = plan.master.node
     name = master.monitor_host or master.name
@@ -305,10 +307,79 @@ def systemd_argv(job_id: str, console: Path, argv: list[str]) -> list[str]:
     ]  # fmt: skip
 
 
+def start_monitor(argv: list[str], job_id: str, job_dir: Path, where: str, supervisor: str = "setsid") -> int:
+    """Start the monitor `argv` (setsid, or a systemd unit), its output to console.log, show
+    that until the job runs on every node (or the monitor gives up); its exit code then, else 0."""
+    console_path = job_dir / jobstate.CONSOLE_FILE
+    state_path = job_dir / jobstate.STATE_FILE
+    if state_path.exists():
+        state_path.unlink()  # a previous run of this job id: its state is not this one's
+    proc: Any
+    with open(jobstate.open_private(console_path), "ab") as console:
+        start = console.seek(0, os.SEEK_END)
+        if supervisor == "systemd":
+            unit = subprocess.run(
+                systemd_argv(job_id, console_path, argv), stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False,
+            )  # fmt: skip
+            if unit.returncode != 0:
+                print(f"ddp-launch: error: systemd-run: {unit.stdout.strip()}", file=sys.stderr)
+                return exitcodes.NODE_FAILED
+            proc = Unit(f"{UNIT_PREFIX}{job_id}", state_path)
+        else:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=console,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # setsid: no controlling terminal, no SIGHUP when it closes
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                close_fds=True,
+            )
+    shown = start
+    deadline = time.monotonic() + DETACH_WAIT_S
+    try:
+        while True:
+            shown = show_new(console_path, shown, sys.stdout)
+            code = proc.poll()
+            data = jobstate.read_state(state_path) or {}
+            if data.get("state") in ("running", "stopping", "finished") or code is not None:
+                break
+            if time.monotonic() > deadline:
+                print(
+                    f"ddp-launch: job {job_id} is still {data.get('state') or 'starting'} after "
+                    f"{DETACH_WAIT_S:.0f} s; it goes on detached (ddp-launch status {job_id}); its output: "
+                    f"{console_path}",
+                    flush=True,
+                )
+                return 0
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        proc.terminate()
+        print(f"\nddp-launch: interrupted; stopping job {job_id} (monitor pid {proc.pid})", file=sys.stderr)
+        return 130
+    if code is None and data.get("state") == "finished":  # it wrote its end; its process is exiting
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            code = int(data.get("exit_code") or 1)
+    if code is not None:  # the monitor ended before the job ran (preflight failed, bad input ...)
+        time.sleep(POLL_S)
+        show_new(console_path, shown, sys.stdout)
+        return code
+    print(
+        f"ddp-launch: job {job_id} runs detached on {len(data.get('nodes') or [])} nodes (monitor pid "
+        f"{data.get('pid') or proc.pid}{' ' + where if where else ''}); its output: {console_path}\n"
+        f"  ddp-launch status {job_id}    ddp-launch attach {job_id}    ddp-launch logs {job_id} -f\n"
+        f"  ddp-launch stop {job_id}      (from any directory of this machine)",
+        flush=True,
+    )
+    return 0
+
+
 def remote_start(job_id: str, log_dir: str) -> int:
     """On the monitor host: the request from stdin into a 0600 file, the monitor started under its
     supervisor, its output shown until the job runs on every node."""
-    from ddp_train.launch.jobs.jobcmds import start_monitor
     from ddp_train.launch.plan.plan import check_job_id
 
     check_job_id(job_id)

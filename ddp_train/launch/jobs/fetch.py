@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import posixpath
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,6 @@ from ddp_train.digest import file_sha256
 from ddp_train.launch.errors import LaunchError, one_line
 from ddp_train.launch.node import command, marked_json
 from ddp_train.launch.node.results import MARK
-
-WHAT = ("best", "last", "metrics")
 
 
 def dirs(job_id: str, data: dict[str, Any]) -> tuple[str, str, str]:
@@ -132,37 +131,9 @@ def load(job_id: str, log_dir: str, command: bool = False) -> dict[str, Any]:
     return data
 
 
-def add_parsers(sub: Any) -> None:
-    """`fetch` and `restart` (jobs/recorded.py) as subcommands of ddp-launch's parser."""
-    import argparse
-
-    p = sub.add_parser(
-        "fetch",
-        prog="ddp-launch fetch",
-        description="Copy a packaged-trainer job's best.pt (best), newest checkpoint (last) or metrics.jsonl "
-        "(metrics) from rank 0's node, where the run wrote them, hash-checked.",
-    )
-    p.add_argument("--log-dir", default="logs", metavar="DIR", help="where the jobs' logs are [logs]")
-    p.add_argument("job", metavar="JOB", help="job id (as `ddp-launch jobs` lists it)")
-    p.add_argument("what", nargs="?", default="best", choices=WHAT, help="best (default), last or metrics")
-    p.add_argument("--to", default=".", metavar="DIR", help="where the copy goes [.]")
-    p.add_argument("--connect-timeout", type=float, default=10, metavar="S", help="SSH connect timeout [10]")
-    r = sub.add_parser(
-        "restart",
-        prog="ddp-launch restart",
-        usage="ddp-launch restart [--log-dir DIR] JOB [launch options]",
-        description="Run a job's recorded command again (job.json), from its directory, as a new job that "
-        "resumes from the newest checkpoint: its --job-id and --fresh are dropped, the inventory is read "
-        "again, a masked --env NAME comes from this shell's $NAME. Launch options given here (e.g. "
-        "--exclude node0) are added after the recorded ones.",
-    )
-    r.add_argument("--log-dir", default="logs", metavar="DIR", help="where the jobs' logs are [logs]")
-    r.add_argument("job", metavar="JOB", help="job id (as `ddp-launch jobs` lists it)")
-    r.add_argument("extra", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-
-
-def main(opts: Any) -> int:
-    """`fetch` or `restart`: exit 0, or 2 with one line."""
+def main(opts: Any, rerun: Callable[[list[str]], int]) -> int:
+    """`fetch` or `restart` (`rerun`: the CLI's main, which runs the recorded command): exit 0, or 2 with
+    one line."""
     import sys
 
     from ddp_train import exitcodes
@@ -172,7 +143,7 @@ def main(opts: Any) -> int:
         if opts.command == "restart":
             from ddp_train.launch.jobs.recorded import restart
 
-            return restart(opts.job, data, list(opts.extra))
+            return restart(opts.job, data, list(opts.extra), rerun)
         print(f"fetch: {fetch(opts.job, data, opts.what, opts.to, opts.connect_timeout)}")
         return exitcodes.OK
     except LaunchError as e:

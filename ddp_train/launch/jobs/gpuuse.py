@@ -5,23 +5,17 @@ flagged starving (input pipeline, a straggler's wait, a hung rank); CPU-only nod
 
 from __future__ import annotations
 
-import dataclasses
 import shlex
 from typing import Any
+
+from ddp_train.launch.preflight.gpuhealth import GpuUse as Gpu
+from ddp_train.launch.preflight.gpuhealth import use_cells
 
 FIELDS = ("index", "utilization.gpu", "memory.used", "memory.total")
 QUERY = shlex.join(["nvidia-smi", f"--query-gpu={','.join(FIELDS)}", "--format=csv,noheader,nounits"])
 # Run on the node: no nvidia-smi (CPU-only node) says so instead of failing.
 COMMAND = f"command -v nvidia-smi >/dev/null 2>&1 || {{ echo no-nvidia-smi; exit 0; }}; {QUERY}"
 HEADERS = ["HOST", "GPUS", "UTIL MEAN/MIN", "MEM USED", "LEAST BUSY", "NOTE"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Gpu:
-    index: int
-    util: float  # percent
-    used_mib: float
-    total_mib: float
 
 
 def parse(output: str) -> list[Gpu] | None:
@@ -49,14 +43,6 @@ def row(host: str, gpus: list[Gpu] | None, idle_warn: float, live: bool, error: 
     least = min(gpus, key=lambda g: (g.util, g.index))
     flag = f"STARVING (< {idle_warn:g} %)" if live and mean < idle_warn else ""
     return [host, str(len(gpus)), util, memory, f"GPU {least.index} {least.util:.0f} %", flag]
-
-
-def use_cells(gpus: list[Gpu]) -> tuple[str, str]:
-    """("MEAN/MIN %", "USED/TOTAL GiB") over a node's GPUs: status's columns, and doctor's."""
-    utils = [g.util for g in gpus]
-    used = sum(g.used_mib for g in gpus) / 1024
-    total = sum(g.total_mib for g in gpus) / 1024
-    return f"{sum(utils) / len(utils):.0f}/{min(utils):.0f} %", f"{used:.1f}/{total:.0f} GiB"
 
 
 def lines(data: dict[str, Any], live: bool) -> list[str]:

@@ -16,41 +16,24 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from ddp_train import exitcodes
+from ddp_train.launch.cliparse import MONITOR_ARGS
 from ddp_train.launch.jobs import clustermon, jobstate
 from ddp_train.launch.plan.plan import JOB_ID
-from ddp_train.launch.run.logs import host_log_path, table
+from ddp_train.launch.run.logs import host_log_path, show_new, table
 from ddp_train.launch.run.progress import duration, read_host_log
 
-POLL_S = 0.3
-DETACH_WAIT_S = 900.0  # --detach stops showing the start after this; the monitor goes on
+POLL_S = clustermon.POLL_S
 PROXIED = os.environ.get(clustermon.PROXIED_ENV) == "1"  # run by clustermon.proxy: its records are not ours
 
 
-def add_parsers(sub: Any) -> None:
-    """The job commands as subcommands of ddp-launch's parser (`sub`: its add_subparsers())."""
-    for command, description in _DESCRIPTIONS.items():
-        p = sub.add_parser(command, prog=f"ddp-launch {command}", description=description)
-        p.add_argument("--log-dir", default="logs", metavar="DIR", help="where the jobs' logs are [logs]")
-        if command != "jobs":
-            p.add_argument("job", metavar="JOB", help="job id (as `ddp-launch jobs` lists it)")
-        if command == "logs":
-            p.add_argument(
-                "-f", "--follow", action="store_true", help="keep printing new lines until the job ends"
-            )
-            p.add_argument("--node", metavar="HOST", help="that node's log only")
-        if command == "stop":
-            p.add_argument("--no-wait", action="store_true", help="return once the monitor got the signal")
-
-
 def main(opts: argparse.Namespace) -> int:
-    """Run the job command `opts.command` (parsed by add_parsers)."""
+    """Run the job command `opts.command` (its parser: cliparse.py)."""
     command = opts.command
     if command == "jobs":
         code = _jobs(Path(opts.log_dir))
@@ -95,15 +78,6 @@ def _flags(opts: argparse.Namespace) -> list[str]:
     return flags + (["--no-wait"] if getattr(opts, "no_wait", False) else [])
 
 
-_DESCRIPTIONS = {
-    "jobs": "List the jobs under the log directory: id, state, nodes, step, started, elapsed.",
-    "status": "One job: its state and, per node, the latest step, loss, tokens/s, ETA and last output.",
-    "logs": "Print a job's output (every node, as the launcher showed it) or one node's log.",
-    "attach": "Follow a job's output live; Ctrl-C detaches (the job keeps running).",
-    "stop": "Stop a job gracefully: every rank finishes its step, rank 0 saves a checkpoint.",
-}
-
-
 # ---- detach ---------------------------------------------------------------------------------------
 
 
@@ -142,93 +116,8 @@ def detach(run_args: list[str], job_id: str, log_dir: str) -> int:
     monitor_args = ["run", "--monitor", "--job-id", job_id, *run_args]
     clustermon.save_record(job_id, None, log_dir)  # `status JOB` from any directory finds it
     jobstate.write_private(args_path, json.dumps(monitor_args).encode())
-    argv = [sys.executable, "-m", "ddp_train.launch.cli", "--monitor-args-file", str(args_path.resolve())]
-    return start_monitor(argv, job_id, job_dir, where="")
-
-
-def start_monitor(argv: list[str], job_id: str, job_dir: Path, where: str, supervisor: str = "setsid") -> int:
-    """Start the monitor `argv` (setsid, or a systemd unit: clustermon), its output to console.log, show
-    that until the job runs on every node (or the monitor gives up); its exit code then, else 0."""
-    console_path = job_dir / jobstate.CONSOLE_FILE
-    state_path = job_dir / jobstate.STATE_FILE
-    if state_path.exists():
-        state_path.unlink()  # a previous run of this job id: its state is not this one's
-    proc: Any
-    with open(jobstate.open_private(console_path), "ab") as console:
-        start = console.seek(0, os.SEEK_END)
-        if supervisor == "systemd":
-            unit = subprocess.run(
-                clustermon.systemd_argv(job_id, console_path, argv), stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False,
-            )  # fmt: skip
-            if unit.returncode != 0:
-                print(f"ddp-launch: error: systemd-run: {unit.stdout.strip()}", file=sys.stderr)
-                return exitcodes.NODE_FAILED
-            proc = clustermon.Unit(f"{clustermon.UNIT_PREFIX}{job_id}", state_path)
-        else:
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=console,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # setsid: no controlling terminal, no SIGHUP when it closes
-                env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                close_fds=True,
-            )
-    shown = start
-    deadline = time.monotonic() + DETACH_WAIT_S
-    try:
-        while True:
-            shown = _show_new(console_path, shown, sys.stdout)
-            code = proc.poll()
-            data = jobstate.read_state(state_path) or {}
-            if data.get("state") in ("running", "stopping", "finished") or code is not None:
-                break
-            if time.monotonic() > deadline:
-                print(
-                    f"ddp-launch: job {job_id} is still {data.get('state') or 'starting'} after "
-                    f"{DETACH_WAIT_S:.0f} s; it goes on detached (ddp-launch status {job_id}); its output: "
-                    f"{console_path}",
-                    flush=True,
-                )
-                return 0
-            time.sleep(POLL_S)
-    except KeyboardInterrupt:
-        proc.terminate()
-        print(f"\nddp-launch: interrupted; stopping job {job_id} (monitor pid {proc.pid})", file=sys.stderr)
-        return 130
-    if code is None and data.get("state") == "finished":  # it wrote its end; its process is exiting
-        try:
-            code = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            code = int(data.get("exit_code") or 1)
-    if code is not None:  # the monitor ended before the job ran (preflight failed, bad input ...)
-        time.sleep(POLL_S)
-        _show_new(console_path, shown, sys.stdout)
-        return code
-    print(
-        f"ddp-launch: job {job_id} runs detached on {len(data.get('nodes') or [])} nodes (monitor pid "
-        f"{data.get('pid') or proc.pid}{' ' + where if where else ''}); its output: {console_path}\n"
-        f"  ddp-launch status {job_id}    ddp-launch attach {job_id}    ddp-launch logs {job_id} -f\n"
-        f"  ddp-launch stop {job_id}      (from any directory of this machine)",
-        flush=True,
-    )
-    return 0
-
-
-def _show_new(path: Path, offset: int, out: IO[str]) -> int:
-    """Print what was appended to path since offset (whole lines only); the new offset."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except OSError:
-        return offset
-    cut = data.rfind(b"\n") + 1
-    if cut:
-        out.write(data[:cut].decode("utf-8", "replace"))
-        out.flush()
-    return offset + cut
+    argv = [sys.executable, "-m", "ddp_train.launch.cli", MONITOR_ARGS, str(args_path.resolve())]
+    return clustermon.start_monitor(argv, job_id, job_dir, where="")
 
 
 # ---- jobs / status --------------------------------------------------------------------------------
@@ -330,12 +219,12 @@ def _follow(path: Path, job_dir: Path, offset: int) -> int:
     """Print path's new lines until the job is no longer live; the job's exit code (or 0)."""
     state_path = job_dir / jobstate.STATE_FILE
     while True:
-        offset = _show_new(path, offset, sys.stdout)
+        offset = show_new(path, offset, sys.stdout)
         data = jobstate.read_state(state_path) or {}
         state = jobstate.effective_state(data)
         if state not in jobstate.LIVE:
             time.sleep(POLL_S)
-            _show_new(path, offset, sys.stdout)
+            show_new(path, offset, sys.stdout)
             if state == "lost":
                 print("ddp-launch: the job's monitor is gone (killed?); the nodes stop by themselves")
                 return exitcodes.NODE_FAILED
@@ -352,7 +241,7 @@ def _logs(job_dir: Path, data: dict[str, Any], follow: bool, node: str | None) -
         return exitcodes.BAD_INPUT
     path = _log_file(job_dir, node)
     if not follow:
-        _show_new(path, 0, sys.stdout)
+        show_new(path, 0, sys.stdout)
         return 0
     try:
         return _follow(path, job_dir, 0)

@@ -18,6 +18,7 @@ import io
 import os
 import shlex
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from ddp_train.launch.errors import LaunchError
@@ -27,8 +28,7 @@ DROPPED = {"--job-id": 1, "--fresh": 0, "--monitor": 0}  # option -> how many va
 
 def parsed(job_id: str, data: dict[str, Any]) -> tuple[list[str], argparse.Namespace]:
     """(["run", options...], rest) and its parse; LaunchError (one line) if job.json has no usable command."""
-    from ddp_train.launch.cli import COMMANDS
-    from ddp_train.launch.cliparse import build_parser
+    from ddp_train.launch.cliparse import COMMANDS, build_parser
 
     argv = data.get("argv")
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
@@ -56,8 +56,7 @@ def in_recorded_dir(job_id: str, data: dict[str, Any]) -> None:
 def inventory_nodes(job_id: str, data: dict[str, Any]) -> list[Any]:
     """The inventory's nodes as the recorded command selects them (--hosts/-i, --group, -e; the default
     inventory without --hosts), re-read now from the recorded directory. LaunchError (one line)."""
-    from ddp_train.launch.cliparse import DEFAULT_INVENTORY
-    from ddp_train.launch.plan.inventory import load_nodes
+    from ddp_train.launch.plan.inventory import DEFAULT_INVENTORY, load_nodes
 
     _, opts = parsed(job_id, data)
     here = os.getcwd()
@@ -126,8 +125,8 @@ def check_master(job_id: str, data: dict[str, Any], argv: list[str]) -> None:
     it, or ddp_master_addr still the address of the job's master. Unpinned, the first remaining node is
     the master, at its address in ddp_network_cidr (README, "Recover"). Anything else wrong is the
     launch's to report."""
-    from ddp_train.launch.cliparse import DEFAULT_INVENTORY, build_parser
-    from ddp_train.launch.plan.inventory import load_nodes
+    from ddp_train.launch.cliparse import build_parser
+    from ddp_train.launch.plan.inventory import DEFAULT_INVENTORY, load_nodes
 
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # a bad option: the launch says so, once
@@ -169,9 +168,9 @@ def _same_address(pinned: str, recorded: Any) -> bool:
         return False
 
 
-def restart(job_id: str, data: dict[str, Any], extra: list[str]) -> int:
-    from ddp_train.launch import cli
-
+def restart(job_id: str, data: dict[str, Any], extra: list[str], rerun: Callable[[list[str]], int]) -> int:
+    """The recorded command run again with `rerun`: the CLI's own main (cli.py passes it), so it parses,
+    plans and launches exactly as that command typed anew would."""
     in_recorded_dir(job_id, data)
     argv = restart_argv(job_id, data, extra)
     check_master(job_id, data, argv)
@@ -179,4 +178,4 @@ def restart(job_id: str, data: dict[str, Any], extra: list[str]) -> int:
         f"ddp-launch: restart of job {job_id} in {os.getcwd()}: ddp-launch {shlex.join(argv[1:])}",
         file=sys.stderr,
     )
-    return cli.main(argv)
+    return rerun(argv)

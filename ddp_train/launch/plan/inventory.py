@@ -20,6 +20,7 @@ from typing import Any
 from ddp_train.launch.errors import LaunchError, one_line
 from ddp_train.text import short
 
+DEFAULT_INVENTORY = "inventory/local"  # without --hosts (ddp-launch and its job commands)
 DEFAULT_GROUP = "gpu_nodes"
 PINNED = ("ddp_master", "ddp_master_addr")  # the master, pinned: `restart` names where to edit them
 DEFAULT_MASTER_PORT = 29500

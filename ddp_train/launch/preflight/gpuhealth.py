@@ -459,12 +459,9 @@ def render(checks: Sequence[NodeCheck]) -> str | None:
 def _use(gpus: list[Gpu]) -> tuple[str, str]:
     """Doctor's GPU use cells, as `status` shows them: what already runs on the GPUs (another user's
     job); "-" where nvidia-smi did not report the fields ([N/A], an older driver)."""
-    from ddp_train.launch.jobs.gpuuse import Gpu as Use
-    from ddp_train.launch.jobs.gpuuse import use_cells
-
     try:
         use = [
-            Use(
+            GpuUse(
                 i,
                 float(g.values["utilization.gpu"]),
                 float(g.values["memory.used"]),
@@ -475,3 +472,21 @@ def _use(gpus: list[Gpu]) -> tuple[str, str]:
     except (KeyError, ValueError):
         return "-", "-"
     return use_cells(use) if use else ("-", "-")
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuUse:
+    """One GPU's use: doctor's columns here, `status`'s (launch/jobs/gpuuse.py)."""
+
+    index: int
+    util: float  # percent
+    used_mib: float
+    total_mib: float
+
+
+def use_cells(gpus: list[GpuUse]) -> tuple[str, str]:
+    """("MEAN/MIN %", "USED/TOTAL GiB") over a node's GPUs: status's columns, and doctor's."""
+    utils = [g.util for g in gpus]
+    used = sum(g.used_mib for g in gpus) / 1024
+    total = sum(g.total_mib for g in gpus) / 1024
+    return f"{sum(utils) / len(utils):.0f}/{min(utils):.0f} %", f"{used:.1f}/{total:.0f} GiB"

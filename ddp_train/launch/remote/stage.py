@@ -395,43 +395,9 @@ def stage(
 # ---- command line ---------------------------------------------------------------------------------
 
 
-def add_parser(sub: Any) -> None:
-    """`stage`: its own options plus the inventory and connection options run and doctor have."""
-    p = sub.add_parser(
-        "stage",
-        prog="ddp-launch stage",
-        usage="ddp-launch stage SRC --to DEST --hosts INVENTORY [options]",
-        label="ddp-launch stage",
-        hint="ddp-launch stage --help",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Copy a file or directory to DEST on every node: sha256 per file, files already there "
-        "with the same hash are\nskipped, an interrupted copy continues where it stopped. The controller "
-        "sends each byte once, to one\nnode; the nodes pass it on to each other over the training network "
-        "(ddp_network_cidr).\nA relative DEST is taken against ddp_workdir, as a relative data.tokens.path "
-        "is; absolute or ~ paths as given.\nText already on a node: run `ddp-train prepare` (or `python -m "
-        'ddp_train.prepare`) there instead\n(README, "Your data"; docs/data.md).',
-    )
-    p.add_argument("src", metavar="SRC", help="a local file or directory")
-    p.add_argument("--to", dest="dest", required=True, metavar="DEST", help="the directory on every node")
-    p.add_argument(
-        "--hosts", "-i", action="append", metavar="INVENTORY", help="Ansible inventory (repeatable)"
-    )
-    p.add_argument(
-        "--extra-vars", "-e", action="append", default=[], metavar="VARS", help="as ansible-playbook -e"
-    )
-    p.add_argument("--group", help="node group [gpu_nodes if it has hosts, else all]")
-    p.add_argument("--limit", "-l", metavar="PATTERN", help="only these hosts (Ansible host pattern)")
-    p.add_argument("--exclude", action="append", default=[], metavar="PATTERN", help="leave these hosts out")
-    p.add_argument("--connect-timeout", type=float, default=10, metavar="S", help="SSH connect timeout [10]")
-    p.add_argument(
-        "--forks", type=int, metavar="N", help="nodes inspected at once [ddp_forks, else ansible's]"
-    )
-
-
 def main(opts: argparse.Namespace) -> int:
     from ddp_train import exitcodes
-    from ddp_train.launch.cliparse import DEFAULT_INVENTORY
-    from ddp_train.launch.plan.inventory import load_nodes
+    from ddp_train.launch.plan.inventory import DEFAULT_INVENTORY, load_nodes
     from ddp_train.launch.remote.fanout import ansible_forks
 
     try:

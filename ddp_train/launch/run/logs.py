@@ -239,3 +239,18 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[str(h) for h in headers]] + [["-" if c is None or c == "" else str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def show_new(path: Path, offset: int, out: IO[str]) -> int:
+    """Print what was appended to path since offset (whole lines only); the new offset."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except OSError:
+        return offset
+    cut = data.rfind(b"\n") + 1
+    if cut:
+        out.write(data[:cut].decode("utf-8", "replace"))
+        out.flush()
+    return offset + cut
