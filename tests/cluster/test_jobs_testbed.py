@@ -1,5 +1,6 @@
 """Job control over real SSH on the namespace testbed (three hosts): the stall watchdog names the one
-blocked rank of three and its stack, and a SIGKILLed detached monitor makes every host stop and save."""
+blocked rank of three and its stack, and a SIGKILLed detached monitor makes every host stop and save
+(as users train: tests/usershape.py), after which `ddp-launch restart` resumes from that step and finishes."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from ddp_train import checkpoint
 from tests.cluster.test_launch_testbed import LAUNCH, assert_nothing_left, job_pids, kill_job, make_inventory
 from tests.testbed import Testbed
+from tests.usershape import trainer_args
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 
@@ -47,20 +49,24 @@ def test_the_stall_watchdog_names_the_blocked_host_and_rank(testbed: Testbed, tm
         kill_job(job)
 
 
-def test_a_killed_detached_monitor_stops_every_host_over_ssh(testbed: Testbed, tmp_path: Path) -> None:
+def test_a_killed_detached_monitor_stops_every_host_over_ssh(
+    testbed: Testbed, tmp_path: Path, users_tokens: Path
+) -> None:
     inv = make_inventory(testbed, tmp_path)
-    job = "jt-orphan"
-    kill_job(job)  # an earlier run's agent directories (the hosts share this machine's /tmp)
-    args = ["--hosts", str(inv), "--set", "train.max_steps=2000", "--set", "debug.step_delay_s=0.2",
-            "--set", "log.interval_steps=2", "--detach", "--monitor-here", "--job-id", job]  # fmt: skip
+    job, again = "jt-orphan", "jt-resumed"
+    for j in (job, again):
+        kill_job(j)  # an earlier run's agent directories (the hosts share this machine's /tmp)
+    args = ["--hosts", str(inv), *trainer_args(users_tokens), "--set", "debug.step_delay_s=0.2",
+            "--detach", "--monitor-here", "--job-id", job]  # fmt: skip
     try:
         out = launch(args, tmp_path)
         assert out.returncode == 0 and f"job {job} runs detached on 3 nodes" in out.stdout, out.stdout
         log = tmp_path / "logs" / job / "node0.log"
         deadline = time.monotonic() + 120
-        while not (log.exists() and re.search(r"INFO step [1-9]\d*/2000", log.read_text())):
-            assert time.monotonic() < deadline, "no step line"
-            time.sleep(0.5)
+        past_20 = r"INFO step 2[1-9]/30"  # past the periodic save at 20: the stop's own save is the newest
+        while not (log.exists() and re.search(past_20, log.read_text())):
+            assert time.monotonic() < deadline, "no step line past 20"
+            time.sleep(0.2)
         pid = json.loads((tmp_path / "logs" / job / "job.json").read_text())["pid"]
         os.kill(pid, signal.SIGKILL)
         t0 = time.monotonic()
@@ -70,9 +76,24 @@ def test_a_killed_detached_monitor_stops_every_host_over_ssh(testbed: Testbed, t
         assert_nothing_left(testbed, job)
         agent_logs = "".join(p.read_text() for p in Path("/tmp").glob(f"ddp-agent-{job}-*/agent.log"))
         assert agent_logs.count("lost the launcher") == 3, agent_logs
-        m = re.search(r"ddp-train: stopped rank=0 world=3 step=(\d+) signal=SIGTERM", agent_logs)
-        assert m, agent_logs
-        ckpts = tmp_path / "work" / "runs" / "default" / "checkpoints"
-        assert checkpoint.list_checkpoints(ckpts)[-1][0] == int(m.group(1))
+        # every rank finished its step and stopped there, rank 0 saved it; every node exits 143
+        stops = re.findall(r"ddp-train: stopped rank=(\d) world=3 step=(\d+) signal=SIGTERM", agent_logs)
+        assert sorted(r for r, _ in stops) == ["0", "1", "2"] and len({n for _, n in stops}) == 1, agent_logs
+        step = int(stops[0][1])
+        assert agent_logs.count("torchrun stopped its workers (each saves first); exit 143") == 3, agent_logs
+        ckpts = tmp_path / "work" / "runs" / "gpt-tiny" / "checkpoints"
+        assert 20 < step < 30 and checkpoint.list_checkpoints(ckpts)[-1][0] == step, agent_logs
+
+        # the next run: the recorded command again (detached again), resuming from that step to the end
+        out = launch(["restart", job, "--job-id", again], tmp_path)
+        assert out.returncode == 0 and f"job {again} runs detached on 3 nodes" in out.stdout, out.stdout
+        follow = launch(["attach", again], tmp_path)
+        assert follow.returncode == 0, follow.stdout
+        text = (tmp_path / "logs" / again / "node0.log").read_text()
+        resumed = rf"INFO resumed from \S+/step-{step:08d}\.pt at step {step} of job {job},"
+        assert re.search(resumed, text), text
+        assert re.search(r"ddp-train: final rank=0 world=3 step=30 ", text), text
+        assert_nothing_left(testbed, again)
     finally:
         kill_job(job)
+        kill_job(again)

@@ -1,8 +1,9 @@
 """A lost node loses no checkpoint (issue 30 item 6): three hosts like a real cluster's (SSH on a
 management network, training on another, no shared disk, no ddp_master_addr), checkpoint.replicas 1.
-node0 (rank 0) is killed whole mid-run, sshd included, after a replica reached node1; the relaunch with
-`--exclude node0` takes its MASTER_ADDR from ddp_network_cidr (node1's training address), resumes from
-node1's replica and finishes."""
+node0 (rank 0) is killed whole mid-run, sshd included, after a replica reached node1; `ddp-launch restart
+JOB --exclude node0` takes its MASTER_ADDR from ddp_network_cidr (node1's training address), resumes from
+node1's replica and finishes. As users train (tests/usershape.py): gpt-tiny on prepared tokens, a loader
+worker per rank, ~20 MB checkpoints, which is what the replica carries over the training network."""
 
 from __future__ import annotations
 
@@ -11,15 +12,17 @@ import json
 import os
 import re
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.cluster.test_launch_testbed import FINAL, Launcher, kill_job, make_inventory
+from tests.cluster.test_launch_testbed import FINAL, Launcher, job_pids, kill_job, make_inventory
 from tests.conftest import private_testbed
 from tests.testbed import Testbed, worker_net, worker_prefix
+from tests.usershape import trainer_args
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 JOBS = ("rep-1", "rep-2")
@@ -44,7 +47,7 @@ def started() -> Iterator[list[Launcher]]:
 
 
 def test_node0_killed_after_a_save_the_survivors_resume_from_its_replica(
-    tb: Testbed, tmp_path: Path, started: list[Launcher]
+    tb: Testbed, tmp_path: Path, started: list[Launcher], users_tokens: Path
 ) -> None:
     hosts = tb.hosts()
     work = {h.name: tmp_path / f"work-{h.name}" for h in hosts}
@@ -54,26 +57,27 @@ def test_node0_killed_after_a_save_the_survivors_resume_from_its_replica(
     spec = yaml.safe_load((inv / "hosts.yml").read_text())
     del spec["all"]["vars"]["ddp_master_addr"]  # derived from ddp_network_cidr (the training network)
     (inv / "hosts.yml").write_text(yaml.safe_dump(spec))
-    train = ["--set", "train.max_steps=80", "--set", "checkpoint.interval_steps=10",
-             "--set", "checkpoint.replicas=1", "--set", "log.interval_steps=5"]  # fmt: skip
-    base = ["--hosts", str(inv), *train]
+    train = [*trainer_args(users_tokens, steps=30), "--set", "checkpoint.replicas=1"]
 
-    run = Launcher([*base, "--job-id", JOBS[0], "--set", "debug.step_delay_s=0.3"], tmp_path)
+    run = Launcher(
+        ["--hosts", str(inv), *train, "--job-id", JOBS[0], "--set", "debug.step_delay_s=0.3"], tmp_path
+    )
     started.append(run)
     run.wait_for(r"\[node0 r0\] .*INFO saved replica node1:step-00000020\.pt in \d", timeout=180)
-    for pid in tb.pids(hosts[0]):  # node0 is gone: trainer, torchrun, agent and sshd at once
+    for pid in tb.pids(hosts[0]):  # node0 is gone: trainer, loader worker, torchrun, agent and sshd at once
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    assert run.wait(timeout=120) != 0, run.text
+    assert run.wait(timeout=120) == 1, run.text  # README: 1, a node failed or was lost
+    assert wait_gone(JOBS[0]) == [], run.text  # the launcher stopped node1 and node2, loader workers too
 
-    kept = work["node1"] / "runs" / "default" / "checkpoints"
+    kept = work["node1"] / "runs" / "gpt-tiny" / "checkpoints"
     newest = sorted(kept.glob("step-*.pt"))[-1]
     step = int(newest.name[5:13])
     assert step >= 20, run.text
     info = json.loads((kept / f"{newest.name}.replica.json").read_text())
     assert info["from"] == "node0" and len(info["sha256"]) == 64
 
-    again = Launcher([*base, "--job-id", JOBS[1], "--exclude", "node0"], tmp_path)
+    again = Launcher(["restart", JOBS[0], "--exclude", "node0", "--job-id", JOBS[1]], tmp_path)
     started.append(again)
     code = again.wait(timeout=240)
     out = again.text
@@ -84,7 +88,16 @@ def test_node0_killed_after_a_save_the_survivors_resume_from_its_replica(
     assert re.search(resumed + "a replica sent by node0$", first), out
     finals = [m.groups() for m in map(FINAL.match, again.lines) if m]
     assert sorted(f[:5] for f in finals) == [
-        ("node1", "0", "0", "2", "80"),
-        ("node2", "1", "1", "2", "80"),
+        ("node1", "0", "0", "2", "30"),
+        ("node2", "1", "1", "2", "30"),
     ], out
     assert len({f[5] for f in finals}) == 1, out
+    assert wait_gone(JOBS[1]) == [], out
+
+
+def wait_gone(job: str, timeout: float = 5) -> list[tuple[int, str]]:
+    """The job's processes once exiting ones had `timeout` s to go."""
+    deadline = time.monotonic() + timeout
+    while (left := job_pids(job)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
