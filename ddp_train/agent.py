@@ -30,8 +30,8 @@ that a stop ends as one line and an exit code instead of torchrun's traceback:
   rank, made 0700 or checked (this user's, writable by nobody else) before torchrun starts, so a user
   script that calls torch.compile gets them too; a directory another user made is refused in one line.
 
-Only the standard library (and ddp_train.console and ddp_train.cachedirs, which need no more) is imported
-before torchrun runs (torch comes with torchrun's script).
+Only the standard library (and ddp_train.console, ddp_train.cachedirs and the ddp_train.storage checks it
+uses, which need no more) is imported before torchrun runs (torch comes with torchrun's script).
 """
 
 from __future__ import annotations

@@ -27,9 +27,9 @@ from __future__ import annotations
 import os
 import pwd
 import re
-import stat
 from collections.abc import Mapping
 
+from ddp_train import storage
 from ddp_train.errors import UserError
 
 INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
@@ -83,66 +83,45 @@ def _user(environ: Mapping[str, str]) -> str:
 
 def _private(path: str, var: str) -> None:
     """`path` a directory of this user's that nobody else can write or swap: made 0700 if missing (its
-    missing parents too), else checked; opened O_NOFOLLOW, so a symlink is refused, never followed."""
-    me = os.geteuid()
-    parent = os.path.dirname(path)
-    if parent != path and not os.path.lexists(parent):
-        _private(parent, var)
-    _check_parents(parent, var, me)
+    missing parents too), else checked, a symlink refused, never followed (storage.own_dir, strict: its
+    parents root's or the user's, none writable by group or others unless sticky, like /tmp)."""
     try:
-        os.mkdir(path, 0o700)  # mkdir(2) never follows a symlink at `path`: EEXIST instead
-    except FileExistsError:
-        pass
+        storage.own_dir(path, private=True, links=False, strict=True)
+    except storage.RefusedPath as e:
+        raise CacheDirError(var, _why(e, var)) from None
     except OSError as e:
-        raise CacheDirError(var, f"cannot make {path}: {e.strerror}") from None
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        what = "a symbolic link" if os.path.islink(path) else f"not a directory ({e.strerror})"
-        raise CacheDirError(var, f"{path} is {what}: {_fix(path, var)}") from None
-    try:
-        st = os.fstat(fd)
-        if st.st_uid != me:
-            raise CacheDirError(
-                var, f"{path} belongs to uid {st.st_uid}, not to you (uid {me}): whoever made it can put "
-                f"code there that the ranks run; {_fix(path, var)}"
-            )  # fmt: skip
-        if st.st_mode & 0o022:
-            raise CacheDirError(
-                var, f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}): code the "
-                f"ranks load from it may be anyone's; remove it (rm -rf {path}) and run again"
-            )  # fmt: skip
-        if st.st_mode & 0o077:
-            os.fchmod(fd, 0o700)  # ours, others could only read it (torch made it 0755): nothing to distrust
-    finally:
-        os.close(fd)
+        raise CacheDirError(var, f"cannot make {e.filename or path}: {e.strerror}") from None
 
 
-def _check_parents(parent: str, var: str, me: int) -> None:
-    """Nobody else can rename or replace a component of `parent`: each directory is root's or this user's
-    and not writable by group or others unless sticky (/tmp); a symlink on the way is root's or this
-    user's (in a sticky /tmp only its owner can replace it), and its target's path passes the same test."""
-    parts = parent.split(os.sep)
-    for i in range(1, len(parts) + 1):
-        prefix = os.sep.join(parts[:i]) or os.sep
-        try:
-            st = os.lstat(prefix)
-        except OSError as e:
-            raise CacheDirError(var, f"cannot check {prefix}: {e.strerror}") from None
-        if st.st_uid not in (0, me):
-            raise CacheDirError(
-                var, f"{prefix}, a parent of the cache, belongs to uid {st.st_uid}: it can replace the cache "
-                f"directory; {_fix(parent, var)}"
-            )  # fmt: skip
-        if not stat.S_ISLNK(st.st_mode) and st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-            raise CacheDirError(
-                var, f"{prefix}, a parent of the cache, is writable by group or others without the sticky "
-                f"bit (mode {stat.S_IMODE(st.st_mode):04o}): they can replace the cache directory; "
-                f"{_fix(parent, var)}"
-            )  # fmt: skip
-    real = os.path.realpath(parent)
-    if real != os.path.normpath(parent):
-        _check_parents(real, var, me)
+def _why(e: storage.RefusedPath, var: str) -> str:
+    """The refusal in the words of a code cache (what another user could do with it, and the fix)."""
+    path, below = e.path, os.path.dirname(e.below)
+    if e.reason == "owner":
+        return (
+            f"{path} belongs to uid {e.uid}, not to you (uid {os.geteuid()}): whoever made it can put code "
+            f"there that the ranks run; {_fix(path, var)}"
+        )
+    if e.reason == "writable":
+        return (
+            f"{path} is writable by group or others (mode {e.mode or 0:04o}): code the ranks load from it "
+            f"may be anyone's; remove it (rm -rf {path}) and run again"
+        )
+    if e.reason in ("link", "type"):
+        what = "a symbolic link" if e.reason == "link" else "not a directory"
+        return f"{path} is {what}: {_fix(path, var)}"
+    if e.reason == "parent owner":
+        return (
+            f"{path}, a parent of the cache, belongs to uid {e.uid}: it can replace the cache directory; "
+            f"{_fix(below, var)}"
+        )
+    if e.reason == "parent writable":
+        return (
+            f"{path}, a parent of the cache, is writable by group or others without the sticky bit (mode "
+            f"{e.mode or 0:04o}): they can replace the cache directory; {_fix(below, var)}"
+        )
+    if e.reason == "unreadable":
+        return f"cannot check {path}: {e.note}"
+    return f"cannot make {path}: {e.note}"
 
 
 def _fix(path: str, var: str) -> str:

@@ -171,10 +171,10 @@ def save_file(state: dict[str, Any], final: Path, delay_s: float = 0.0) -> Path:
 def publish(final: Path, write: Callable[[BinaryIO], object], delay_s: float = 0.0) -> Path:
     """Give `final` the bytes write() puts in a temp file: flush, fsync, rename, fsync the directory."""
     directory = final.parent
-    directory.mkdir(parents=True, exist_ok=True)
+    storage.own_dir(directory)  # this user's, nobody else's links in it (issue #44)
     tmp = directory / (final.name + ".tmp")
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb", opener=lambda p, _: storage.create_new(p, 0o666)) as f:  # O_EXCL|O_NOFOLLOW
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -480,7 +480,7 @@ class Checkpointer:
         if self.rank == 0:
             try:
                 self._write(build(gathered), step, path, note)
-            except storage.StorageError as exc:
+            except UserError as exc:  # a StorageError, or a RefusedPath (storage.own_dir)
                 # the others stop with one line naming this failure instead of a lost connection
                 distributed.wait_for_io(0, self.io_timeout_s, what, failed=str(exc))
                 raise

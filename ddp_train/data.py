@@ -462,7 +462,7 @@ class ShardedBatches:
             return
         with (
             storage.guarded("writing the index dump", self.index_log),
-            open(self.index_log, "a", encoding="utf-8") as f,
+            storage.open_output(self.index_log, "a", encoding="utf-8") as f,
         ):
             record = {"rank": self.rank, "epoch": self.epoch, "position": self.position}
             f.write(json.dumps({**record, "indices": self.epoch_indices(self.epoch)}) + "\n")

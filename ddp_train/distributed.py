@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddp_train import storage
 from ddp_train.config import ConfigError, DistConfig
 
 log = logging.getLogger("ddp_train")
@@ -172,18 +173,21 @@ def flight_recorder_env(run_dir: Any, environ: Any = None) -> dict[str, str]:
     return added
 
 
-def make_dump_dirs(environ: Any = None) -> None:
+def make_dump_dirs(environ: Any = None, ours: Any = ()) -> None:
     """Create the directory of the flight recorder's dump files on this rank. torch's writer creates no
     directory: DebugInfoWriter::write opens a std::ofstream and only logs "Error opening file for
     writing Flight Recorder debug info" (torch 2.13 c10d/FlightRecorderDetail.hpp), and only rank 0
     creates the run directory, so without this every other rank's trace would be lost.
-    Both names, whichever the user set; a directory that cannot be made is a warning only."""
+    Both names, whichever the user set; a directory that cannot be made is a warning only. torch's writer
+    follows symlinks, so the directory must be this user's alone (storage.own_dir; else RefusedPath, one
+    line naming the variable, or run.dir for those in `ours`, the ones flight_recorder_env set; #44)."""
     env = os.environ if environ is None else environ
     for name in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"):
         if env.get(name):
             directory = Path(env[name]).parent
             try:
-                directory.mkdir(parents=True, exist_ok=True)
+                where = "run.dir to a directory" if name in ours else f"{name} to a path in a directory"
+                storage.own_dir(directory, fix=f"set {where} of yours")
             except OSError as exc:
                 log.warning("%s: cannot create %s for NCCL trace dumps: %s", name, directory, exc)
 

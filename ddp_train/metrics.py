@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import IO, Any, TextIO
 
 from ddp_train import storage, tbwriter
 from ddp_train.config import dump_yaml
@@ -136,8 +136,12 @@ def open_outputs(cfg: Any, is_main: bool, logger: logging.Logger) -> tuple[Progr
     if is_main and cfg.log.prometheus:
         writer = PromTextfile(writer, Path(cfg.log.prometheus_textfile), cfg.run_dir.name)
     if is_main:
-        with storage.guarded("writing the run's config", cfg.run_dir / "config.yaml"):
-            (cfg.run_dir / "config.yaml").write_text(dump_yaml(cfg), encoding="utf-8")
+        config = cfg.run_dir / "config.yaml"
+        with (
+            storage.guarded("writing the run's config", config),
+            storage.open_output(config, encoding="utf-8") as f,  # never through a link
+        ):
+            f.write(dump_yaml(cfg))
     return bar, writer
 
 
@@ -146,10 +150,10 @@ class JsonlWriter:
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
-        self._f: TextIO | None = None
+        self._f: IO[Any] | None = None
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the whole run
+            storage.own_dir(path.parent)
+            self._f = storage.open_output(path, "a", encoding="utf-8")  # kept open for the whole run
 
     def write(self, record: dict[str, Any]) -> None:
         if self._f is not None and self.path is not None:

@@ -16,9 +16,10 @@ import contextlib
 import faulthandler
 import os
 import signal
-import stat
 import time
 from typing import IO
+
+from ddp_train import storage
 
 STACK_DIR_ENV = "DDP_STACK_DIR"
 DEBUG_STALL_ENV = "DDP_DEBUG_STALL"
@@ -33,7 +34,7 @@ def install(rank: int) -> None:
     if directory and _file is None and _private(directory):
         path = os.path.join(directory, f"r{rank}.txt")
         try:
-            _file = os.fdopen(_create(path), "w", encoding="utf-8")
+            _file = os.fdopen(storage.create_new(path, 0o600), "w", encoding="utf-8")
             faulthandler.register(signal.SIGUSR1, file=_file, all_threads=True)
             atexit.register(_remove, path)
         except OSError:
@@ -48,21 +49,13 @@ def install(rank: int) -> None:
 def _private(directory: str) -> bool:
     """The directory is a real one of this user's, writable by nobody else (the agent's mkdtemp): a dump
     must never land where another user could have put a symlink (issue #24)."""
+    if not os.path.isdir(directory) or os.path.islink(directory):
+        return False  # the agent made it: never made here
     try:
-        st = os.lstat(directory)
-    except OSError:
+        storage.own_dir(directory, links=False)
+    except (storage.RefusedPath, OSError):
         return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
-
-
-def _create(path: str) -> int:
-    """A new 0600 file, never through a symlink; a leftover of this rank (a killed worker) is replaced."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    try:
-        return os.open(path, flags, 0o600)
-    except FileExistsError:
-        os.unlink(path)
-        return os.open(path, flags, 0o600)
+    return True
 
 
 def _remove(path: str) -> None:

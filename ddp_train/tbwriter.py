@@ -47,4 +47,8 @@ def tee(jsonl: Any, cfg: Any, is_main: bool) -> Any:
         return jsonl
     from torch.utils.tensorboard import SummaryWriter
 
-    return _Tee(jsonl, SummaryWriter(log_dir=str(cfg.run_dir / "tensorboard")))
+    from ddp_train import storage
+
+    log_dir = cfg.run_dir / "tensorboard"
+    storage.own_dir(log_dir)  # SummaryWriter opens its files plainly: nobody else may put links there
+    return _Tee(jsonl, SummaryWriter(log_dir=str(log_dir)))

@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -137,7 +138,12 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, t)
         if env.is_main or self.hooks.index_log:
             with storage.guarded("creating the run directory", cfg.run_dir):
-                cfg.run_dir.mkdir(parents=True, exist_ok=True)
+                # this user's, and no other user's symlink on the way (issue #44): checked as named
+                storage.own_dir(named_run_dir(cfg), fix="set run.dir to a directory of yours")
+        if cfg.checkpoint.dir and env.is_main:  # checked as named too, before anything is saved there
+            with storage.guarded("creating the checkpoint directory", cfg.checkpoint_dir):
+                named = Path.cwd() / Path(cfg.checkpoint.dir).expanduser()
+                storage.own_dir(named, fix="set checkpoint.dir to a directory of yours")
         train_set = build_dataset(cfg)
         val_set = build_val_dataset(cfg, train_set) if cfg.eval.interval_steps else None
         self.evaluator = Evaluator.from_config(cfg, val_set, env, device) if val_set is not None else None
@@ -425,6 +431,12 @@ def indented_traceback(exc: BaseException) -> str:
     return "".join((ln if ln.startswith(("Traceback", " ")) else "  " + ln) + "\n" for ln in lines)
 
 
+def named_run_dir(cfg: Config) -> Path:
+    """The run directory as run.dir and run.name name it, absolute, its symbolic links kept (cfg.run_dir
+    resolves them): storage.own_dir checks each link on the way, so another user's is refused."""
+    return Path.cwd() / Path(cfg.run.dir).expanduser() / cfg.run.name
+
+
 def run(cfg: Config, source: str = "config") -> int:
     """Run one rank (alone or under torchrun): set up the process group, train, tear it down."""
     stop = StopRequest()
@@ -435,8 +447,9 @@ def run(cfg: Config, source: str = "config") -> int:
         setup_logging(env.rank, cfg.log.level)
         stackdump.install(env.rank)  # SIGUSR1 -> this rank's stack, for ddp-launch's stall watchdog
         device = distributed.select_device(cfg.dist, env)
-        os.environ.update(distributed.flight_recorder_env(cfg.run_dir))
-        distributed.make_dump_dirs()  # on every rank: only rank 0 creates the run directory
+        dumps = distributed.flight_recorder_env(named_run_dir(cfg))  # its links checked, not resolved
+        os.environ.update(dumps)
+        distributed.make_dump_dirs(ours=dumps)  # on every rank: only rank 0 creates the run directory
         if cfg.train.compile:
             os.environ.update(distributed.compile_threads_env(env))
             os.environ.update(cachedirs.compile_cache_env(os.environ))  # inductor/Triton caches: 0700, ours
