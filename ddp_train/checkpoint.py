@@ -20,7 +20,7 @@ import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 import torch
 from torch import nn
@@ -329,6 +329,40 @@ def source_rank(reports: list[dict[str, Any]]) -> int | None:
     return -max(steps)[2] if steps else None
 
 
+class Replication(Protocol):
+    """The hook for whatever keeps copies of this node's checkpoints on others (replica.Replicas, which
+    the trainer hands in): the startup report's entry, the gathered reports, each new checkpoint, the end."""
+
+    def offer(self) -> dict[str, Any]: ...
+
+    def connect(self, reports: list[dict[str, Any]]) -> None: ...
+
+    def send(self, path: Path) -> None: ...
+
+    def finish(self, timeout_s: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NoReplication:
+    """No copies (a Checkpointer given no Replication)."""
+
+    def offer(self) -> dict[str, Any]:
+        return {}
+
+    def connect(self, reports: list[dict[str, Any]]) -> None:
+        pass
+
+    def send(self, path: Path) -> None:
+        pass
+
+    def finish(self, timeout_s: float) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class Checkpointer:
     """The save/resume protocol of a run, over a state dict; every rank calls save() and restore().
 
@@ -354,27 +388,22 @@ class Checkpointer:
         save_delay_s: float = 0.0,
         interval_steps: int = 0,
         best_path: Path | None = None,
-        replicas: int = 0,
-        world_size: int = 1,
-        local_world_size: int = 1,
-        master_addr: str | None = None,
+        replicas: Replication | None = None,
     ) -> None:
-        from ddp_train.replica import Replicas  # replica.py builds on this module's file functions
-
         self.directory, self.rank, self.local_rank = directory, rank, local_rank
         self.resume, self.keep_latest_k = resume, keep_latest_k
         self.io_timeout_s, self.save_delay_s = io_timeout_s, save_delay_s
         self.interval_steps = interval_steps
         # <run dir>/best.pt: beside checkpoints/, so keep_latest_k rotation never sees it
         self.best_path = best_path
-        self.replicas = Replicas(directory, rank=rank, local_rank=local_rank, world_size=world_size,
-                                 local_world_size=local_world_size, replicas=replicas,
-                                 keep_latest_k=keep_latest_k, master_addr=master_addr,
-                                 timeout_s=io_timeout_s)  # fmt: skip
+        self.replicas: Replication = replicas if replicas is not None else NoReplication()
 
     @classmethod
-    def from_config(cls, cfg: Config, env: DistEnv, save_delay_s: float = 0.0) -> Checkpointer:
-        """The run's checkpointer (`checkpoint.*`); `save_delay_s` is a test hook (hooks.DebugHooks)."""
+    def from_config(
+        cls, cfg: Config, env: DistEnv, save_delay_s: float = 0.0, replicas: Replication | None = None
+    ) -> Checkpointer:
+        """The run's checkpointer (`checkpoint.*`); `save_delay_s` is a test hook (hooks.DebugHooks),
+        `replicas` what copies each save to other nodes (replica.Replicas.from_config)."""
         c = cfg.checkpoint
         return cls(
             cfg.checkpoint_dir,
@@ -386,10 +415,7 @@ class Checkpointer:
             save_delay_s=save_delay_s,
             interval_steps=c.interval_steps,
             best_path=cfg.run_dir / "best.pt",
-            replicas=c.replicas,
-            world_size=env.world_size,
-            local_world_size=env.local_world_size,
-            master_addr=env.master_addr,
+            replicas=replicas,
         )
 
     def due(self, step: int, last: bool) -> bool:

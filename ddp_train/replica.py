@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ddp_train import checkpoint
+from ddp_train.config import Config
+from ddp_train.distributed import DistEnv
 
 CHUNK = 4 << 20
 TOKEN_TIMEOUT_S = 10.0  # a connection that has not shown the token by then is dropped
@@ -285,6 +287,14 @@ class Replicas:
         self.receiver: Receiver | None = None
         self.sender: Sender | None = None
         self.last: Path | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Config, env: DistEnv) -> Replicas:
+        """The run's replicas (checkpoint.replicas), for Checkpointer.from_config."""
+        c = cfg.checkpoint
+        return cls(cfg.checkpoint_dir, rank=env.rank, local_rank=env.local_rank, world_size=env.world_size,
+                   local_world_size=env.local_world_size, replicas=c.replicas, keep_latest_k=c.keep_latest_k,
+                   master_addr=env.master_addr, timeout_s=c.io_timeout_s)  # fmt: skip
 
     def offer(self) -> dict[str, Any]:
         """What this rank adds to the startup report: its listening address if it keeps a replica."""

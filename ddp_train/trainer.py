@@ -30,6 +30,7 @@ from ddp_train.meter import PendingStep, StepLog, StepMeter
 from ddp_train.metrics import device_peak_flops, open_outputs, setup_logging
 from ddp_train.models import build_model, flops_per_token
 from ddp_train.optim import build_optimizer, build_scheduler, mixed_precision
+from ddp_train.replica import Replicas
 from ddp_train.text import first_line
 
 log = logging.getLogger("ddp_train")
@@ -148,7 +149,8 @@ class Trainer:
         val_set = build_val_dataset(cfg, train_set) if cfg.eval.interval_steps else None
         self.evaluator = Evaluator.from_config(cfg, val_set, env, device) if val_set is not None else None
         self.batches = train_batches(cfg, train_set, env.rank, env.world_size, device, self.hooks.index_log)
-        self.checkpoints = Checkpointer.from_config(cfg, env, self.hooks.save_delay_s)
+        replicas = Replicas.from_config(cfg, env)  # copies of each save on other nodes (replica.py)
+        self.checkpoints = Checkpointer.from_config(cfg, env, self.hooks.save_delay_s, replicas)
         resumed = self._resume()
         if not resumed:
             checkpoint.seed_rng(cfg.seed + env.rank)

@@ -57,18 +57,11 @@ def _layers(text: str) -> list[tuple[str, tuple[str, ...]]]:
 LAYERS = _layers(LAYERS_TEXT)
 
 # (importer, imported) -> why it runs back up. At most 2; each also has a comment at the import.
-UPWARD: dict[tuple[str, str], str] = {
-    ("ddp_train.checkpoint", "ddp_train.replica"): "Checkpointer builds its replica.Replicas itself, until "
-    "the trainer hands them in (KNOWN_CIRCLES)",
-}
+UPWARD: dict[tuple[str, str], str] = {}
 MAX_UPWARD = 2
 # Circles not yet undone, each with what undoes it. Any other circle fails, and so does one listed here
-# once it is gone (delete it then). Replication consumes published checkpoints: replica.py imports
-# checkpoint.py's file functions, and checkpoint.py is to offer a hook (a Replication protocol the
-# Checkpointer calls) that trainer.py fills with replica.Replicas; trainer.py was not this change's to edit.
-KNOWN_CIRCLES: dict[tuple[str, ...], str] = {
-    ("ddp_train.checkpoint", "ddp_train.replica"): "trainer.py to hand Replicas to Checkpointer.from_config",
-}
+# once it is gone (delete it then).
+KNOWN_CIRCLES: dict[tuple[str, ...], str] = {}
 
 
 def modules() -> dict[str, Path]:

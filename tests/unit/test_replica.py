@@ -225,8 +225,9 @@ def test_close_ends_the_receivers_accept_promptly(receiver):
 
 
 def test_rank_0_gives_up_on_a_stalled_replica_well_before_the_others_wait_ends(tmp_path, caplog):
-    ckpt = Checkpointer(tmp_path / "node0", rank=0, local_rank=0, io_timeout_s=4, replicas=1, world_size=2,
-                        local_world_size=1, master_addr="127.0.0.1")  # fmt: skip
+    copies = replica.Replicas(tmp_path / "node0", rank=0, local_rank=0, world_size=2, local_world_size=1,
+                              replicas=1, keep_latest_k=0, master_addr="127.0.0.1", timeout_s=4)  # fmt: skip
+    ckpt = Checkpointer(tmp_path / "node0", rank=0, local_rank=0, io_timeout_s=4, replicas=copies)
     with socket.socket() as stalled:  # listens, never accepts: connect succeeds, no answer ever comes
         stalled.bind(("127.0.0.1", 0))
         stalled.listen(1)
