@@ -22,12 +22,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ddp_train import checkpoint
 from tests.ansible.conftest import REPO_ROOT, tool_env
 from tests.cluster.test_launch_sync_testbed import HELPER, SEED_FINAL, SEED_SCRIPT, launch_user_script
-from tests.cluster.test_launch_testbed import FINAL, SLOW, Launcher, kill_job
+from tests.cluster.test_launch_testbed import FINAL, SLOW, Launcher, assert_nothing_left, kill_job
 from tests.conftest import private_testbed
 from tests.integration.trainrun import parse_finals, run_torchrun
 from tests.testbed import Testbed, worker_net, worker_prefix
+from tests.usershape import trainer_args
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
 
@@ -207,18 +209,58 @@ def test_stop_job_saves_on_every_rank_and_exits_143(cluster) -> None:
     assert re.search(r"Slurm job \d+: FAILED .*exit 143", text), text
 
 
-def test_a_plain_scancel_is_the_same_clean_stop(cluster) -> None:
-    """The user's own `scancel JOB` (not `ddp-launch stop`): Slurm signals every step process at once;
-    each rank still saves its step and the job ends 143, named, with no traceback."""
-    tb = cluster[0]
-    slurm_ids: list[str] = []
-
-    def scancel(slurm_id: str) -> None:
-        slurm_ids.append(slurm_id)
+def test_a_plain_scancel_in_the_users_shape_saves_ends_143_and_the_same_command_resumes(
+    cluster, users_tokens: Path
+) -> None:
+    """The user's own `scancel JOB` (not `ddp-launch stop`) on the configuration users train with
+    (tests/usershape.py: gpt-tiny on prepared tokens, a loader worker per rank, ~20 MB checkpoints,
+    replicas): Slurm signals every process of the step at once, the loader workers included, and each rank
+    gets SIGTERM from slurmstepd and from torchrun (trainer.StopRequest: DDP_SLURM_STEP). Each rank still
+    finishes its step and saves; the job ends CANCELLED, reported as 143, with no traceback and no process
+    left; the same command then resumes from that step and finishes."""
+    tb, root = cluster
+    job = ["--backend", "slurm", "--hosts", str(root / "inventory"), "--job-id", "sl-scancel", "--time", "10"]
+    train = [*trainer_args(users_tokens, steps=30), "--set", "debug.step_delay_s=0.2"]
+    command = [*job, *train, "--set", "run.dir=runs-sl-sc"]
+    ckpts = root / "work" / "runs-sl-sc" / "gpt-tiny" / "checkpoints"
+    run = Launcher(command, root)
+    try:
+        run.wait_for(r"\[node0 r0\] .*INFO step [3-9]/30", timeout=180)
+        slurm_id = re.search(r"submitted Slurm job (\d+)", run.text).group(1)
         tb.ssh(tb.hosts()[0], f"scancel {slurm_id}")
+        code = run.wait(120)
+    finally:
+        run.stop()
+    assert code == 143, run.text
+    assert re.search(rf"Slurm job {slurm_id}: CANCELLED", run.text), run.text
+    stops = STOPPED.findall(run.text)
+    assert sorted(h for h, _, _ in stops) == ["node0", "node1", "node2"], run.text
+    assert len({s for *_, s in stops}) == 1, run.text
+    step = int(stops[0][2])
+    assert 3 <= step < 30, run.text
+    said = f"Slurm job {slurm_id} stopped after step {step}: every rank finished its step and saved"
+    assert said in run.text, run.text
+    assert re.search(rf"\[node0 r0\] .*stopped by SIGTERM after step {step}, checkpoint saved", run.text)
+    assert "Traceback" not in run.text and "DataLoader worker" not in run.text, run.text
+    assert checkpoint.list_checkpoints(ckpts)[-1][0] == step and not list(ckpts.glob("*.tmp"))
+    assert_nothing_left(tb, "sl-scancel")
 
-    text = stopped_cleanly(cluster, "sl-scancel", "runs-sl-sc", scancel)
-    assert re.search(rf"Slurm job {slurm_ids[0]}: CANCELLED", text), text
+    again = Launcher(command, root)
+    try:
+        code = again.wait(300)
+    finally:
+        again.stop()
+    assert code == 0, again.text
+    resumed_at = rf"\[node0 r0\] .*INFO resumed from \S+step-{step:08d}\.pt at step {step}\b"
+    assert re.search(resumed_at, again.text), again.text
+    finals = [FINAL.match(ln).groups() for ln in again.text.splitlines() if FINAL.match(ln)]
+    assert sorted((h, s) for h, _, _, _, s, _ in finals) == [
+        ("node0", "30"), ("node1", "30"), ("node2", "30"),
+    ], again.text  # fmt: skip
+    assert len({sha for *_, sha in finals}) == 1, "ranks ended with different parameters"
+    assert re.findall(r"Slurm job \d+: (\w+)", again.text)[-1] == "COMPLETED", again.text
+    assert checkpoint.list_checkpoints(ckpts)[-1][0] == 30
+    assert_nothing_left(tb, "sl-scancel")
 
 
 @pytest.mark.parametrize(
@@ -305,36 +347,47 @@ def test_usr1_before_the_time_limit_with_requeue_saves_requeues_and_resumes(clus
     assert finals[0][-1] == parse_finals(straight.stdout).sha[:16], (finals, straight.stdout[-1000:])
 
 
-def test_the_real_time_limit_stops_saves_and_the_requeued_job_resumes(cluster) -> None:
-    """No signal by hand: `--time 2` with slurm_signal_lead_s=10 renders --signal=B:USR1@10, and Slurm
-    itself signals the batch script 10 s before the limit, or up to 60 s earlier (sbatch(1) --signal):
-    50-110 s into the allocation. Every rank saves, the job is requeued and resumes from that step;
-    `ddp-launch stop` then ends it (143), never killed by the limit (TIMEOUT)."""
+def test_the_real_time_limit_stops_saves_and_the_requeued_job_resumes(cluster, users_tokens: Path) -> None:
+    """No signal by hand, on the configuration users train with (tests/usershape.py: a loader worker per
+    rank, ~20 MB checkpoints, replicas): `--time 2` with slurm_signal_lead_s=10 renders
+    --signal=B:USR1@10, and Slurm itself signals the batch script 10 s before the limit, or up to 60 s
+    earlier (sbatch(1) --signal): 50-110 s into the allocation. Every rank saves, the job is requeued and
+    resumes from that step; `ddp-launch stop` then ends it (143) after a later step, saved, never killed
+    by the limit (TIMEOUT), with no traceback and no process left."""
     tb, root = cluster
     inv = str(root / "inventory")
     job = ["--backend", "slurm", "--hosts", inv, "--job-id", "sl-tl", "--time", "2", "--requeue"]
     limit = ["-e", "slurm_signal_lead_s=10", "--max-requeues", "1"]
-    slow = ["--set", "train.max_steps=2000", "--set", "debug.step_delay_s=0.5"]
-    run = Launcher([*job, *limit, "--set", "run.dir=runs-sl-tl", *slow], root)
+    slow = [*trainer_args(users_tokens, steps=2000), "--set", "debug.step_delay_s=0.5"]
+    ckpts = root / "work" / "runs-sl-tl" / "gpt-tiny" / "checkpoints"
+    run = Launcher([*job, *limit, *slow, "--set", "run.dir=runs-sl-tl"], root)
     try:
         run.wait_for(r"requeued \(1/1\)", timeout=240)
         run.wait_for(r"\[node0 r0\] .*resumed from \S+ at step \d+\b", timeout=180)
-        resumed = re.search(r"\[node0 r0\] .*resumed from \S+ at step (\d+)\b", run.text)
-        after = int(resumed.group(1)) // 10 * 10 + 10  # the next step line (log.interval_steps: 10)
-        run.wait_for(rf"\[node0 r0\] .*INFO step {after}/2000", timeout=120)
+        resumed = re.search(r"\[node0 r0\] .*resumed from (\S+) at step (\d+)\b", run.text)
+        run.wait_for(rf"\[node0 r0\] .*INFO step {int(resumed.group(2)) + 2}/2000", timeout=120)
         code, out = ddp_launch(["stop", "sl-tl"], root, 180)
         assert code == 0, out
         code = run.wait(180)
     finally:
         run.stop()
     assert code == 143, run.text
-    first_stop = run.text.split("requeued (1/1)", 1)[0]
+    first_stop, requeued = run.text.split("requeued (1/1)", 1)
     assert "ddp-slurm: got SIGUSR1" in first_stop and "got SIGTERM" not in first_stop, run.text
     stops = STOPPED.findall(first_stop)
     assert sorted(h for h, _, _ in stops) == ["node0", "node1", "node2"], run.text
-    assert len({step for *_, step in stops}) == 1 and resumed.group(1) == stops[0][2], run.text
+    assert len({step for *_, step in stops}) == 1, run.text
+    step = int(stops[0][2])
+    assert re.search(rf"\[node0 r0\] .*stopped by SIGTERM after step {step}, checkpoint saved", first_stop)
+    assert resumed.group(1).endswith(f"step-{step:08d}.pt") and resumed.group(2) == str(step), run.text
+    later = STOPPED.findall(requeued)
+    assert sorted(h for h, _, _ in later) == ["node0", "node1", "node2"], run.text
+    assert len({s for *_, s in later}) == 1 and int(later[0][2]) >= step + 2, run.text
+    assert checkpoint.list_checkpoints(ckpts)[-1][0] == int(later[0][2]) and not list(ckpts.glob("*.tmp"))
+    assert "Traceback" not in run.text and "DataLoader worker" not in run.text, run.text
     slurm_id = re.search(r"submitted Slurm job (\d+)", run.text).group(1)
     assert "TIMEOUT" not in re.findall(rf"Slurm job {slurm_id}: (\w+)", run.text), run.text
+    assert_nothing_left(tb, "sl-tl")
 
 
 def test_a_node_whose_slurmd_dies_fails_the_job_fast_and_named(cluster) -> None:
