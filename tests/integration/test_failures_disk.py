@@ -79,7 +79,9 @@ def test_disk_full_under_torchrun_the_other_rank_names_rank_0(tmp_path: Path) ->
 
 
 def test_read_only_checkpoint_dir_names_it(tmp_path: Path) -> None:
-    with tmpfs(tmp_path / "ro", "size=1m,ro") as ro:
+    # mode=0755: a tmpfs root is 1777 by default, and a checkpoint.dir others can write is refused at
+    # the start (storage.own_dir), before the read-only file system this test is about is ever met
+    with tmpfs(tmp_path / "ro", "size=1m,ro,mode=0755") as ro:
         args = sets(run__dir=tmp_path / "runs", checkpoint__dir=ro, train__max_steps=20)
         proc = train_alone(args, tmp_path)
         assert proc.returncode == 2, describe(proc)
