@@ -45,9 +45,9 @@ def test_stop_saves_that_step_and_the_same_command_resumes_bit_exact(
     base = ["--hosts", str(inv), *train, "--set", f"run.dir={tmp_path / 'runs'}"]
     ckpts = tmp_path / "runs" / ("default" if shape == "demo" else "gpt-tiny") / "checkpoints"
     stopped_id = job_id(f"st-{how.lower()}")
-    # --timeout counts from the launch: 1 s a step puts it mid-run (30 steps take > 30 s) however long
+    # --timeout counts from the launch: 1.5 s a step puts it mid-run (30 steps take > 45 s) however long
     # the start takes on a loaded machine (> 10 s in a CI run, when a 10-s timeout hit before step 1)
-    extra = ["--timeout", "30", "--set", "debug.step_delay_s=1.0"] if how == "timeout" else SLOW
+    extra = ["--timeout", "45", "--set", "debug.step_delay_s=1.5"] if how == "timeout" else SLOW
     run = Launcher([*base, "--job-id", stopped_id, *extra], tmp_path)
     try:
         if how == "timeout":
