@@ -1,5 +1,5 @@
 """The configuration users train with (#42), for the fault tests: the gpt-tiny model, wider (a few MB of
-weights, ~20 MB checkpoints with AdamW's moments), on token files made by `ddp-train prepare`, a loader
+weights, ~5 MB checkpoints with AdamW's moments), on token files made by `ddp-train prepare`, a loader
 worker per rank (`num_workers: 1`, as gpt-tiny.yaml says; forked on CPU), checkpoint replicas on (the
 default). The demo config (default.yaml: synthetic data, no workers, 21k parameters) never saw a loader
 worker die of a stop.
@@ -41,7 +41,7 @@ def trainer_args(tokens: Path, steps: int = 30, workers: int = 1) -> list[str]:
         "--set", "data.name=tokens", "--set", f"data.tokens.path={tokens}",
         "--set", "model.gpt.vocab_size=auto",
         "--set", f"data.num_workers={workers}",
-        "--set", "model.gpt.n_embd=256", "--set", "model.gpt.n_layer=2",
+        "--set", "model.gpt.n_embd=128", "--set", "model.gpt.n_layer=2",
         "--set", f"train.max_steps={steps}", "--set", f"train.decay_steps={steps}",
         "--set", "checkpoint.interval_steps=10", "--set", "log.interval_steps=1",
     ]  # fmt: skip

@@ -53,7 +53,7 @@ def test_stall_first_error_of_the_other_rank_is_the_watchdog_not_a_traceback(
     tmp_path: Path, users_tokens: Path
 ) -> None:
     """In the configuration users train with (tests/usershape.py: prepared tokens, a loader worker per
-    rank, ~20 MB checkpoints, replicas): rank 1 blocks after step 20; the watchdog ends the job, the
+    rank, ~5 MB checkpoints, replicas): rank 1 blocks after step 20; the watchdog ends the job, the
     step-20 checkpoint is kept, the same command resumes from it, no process is left (#42)."""
     train = [*usershape.trainer_args(users_tokens), "--set", f"run.dir={tmp_path / 'runs'}"]
     args = ["--job-id", "fe-stall", "--env", "DDP_DEBUG_STALL=1:20", "--stall-timeout", "15"]

@@ -159,10 +159,10 @@ def test_the_users_walk_through_stop_saves_that_step_exits_143_and_resumes_from_
     tmp_path: Path, users_tokens: Path
 ) -> None:
     """#42's walk-through, as a new user runs it: gpt-tiny on token files made by `prepare`, a loader
-    worker per rank, ~20 MB checkpoints with replicas; `--detach`, then `ddp-launch stop`. Was: both ranks
+    worker per rank, ~5 MB checkpoints with replicas; `--detach`, then `ddp-launch stop`. Was: both ranks
     died of "DataLoader worker (pid N) is killed by signal: Terminated", nothing saved, FAILED."""
     inv = local_inventory(tmp_path)
-    train = [*usershape.trainer_args(users_tokens, steps=40), "--set", "debug.step_delay_s=0.2"]
+    train = [*usershape.trainer_args(users_tokens, steps=40), "--set", "debug.step_delay_s=0.5"]
     base = ["--hosts", str(inv), *train, "--set", f"run.dir={tmp_path / 'runs'}"]
     ckpts = tmp_path / "runs" / "gpt-tiny" / "checkpoints"
     job = job_id("walk")

@@ -56,7 +56,7 @@ def test_a_killed_detached_monitor_stops_every_host_over_ssh(
     job, again = "jt-orphan", "jt-resumed"
     for j in (job, again):
         kill_job(j)  # an earlier run's agent directories (the hosts share this machine's /tmp)
-    args = ["--hosts", str(inv), *trainer_args(users_tokens), "--set", "debug.step_delay_s=0.2",
+    args = ["--hosts", str(inv), *trainer_args(users_tokens), "--set", "debug.step_delay_s=0.5",
             "--detach", "--monitor-here", "--job-id", job]  # fmt: skip
     try:
         out = launch(args, tmp_path)

@@ -213,7 +213,7 @@ def test_a_plain_scancel_in_the_users_shape_saves_ends_143_and_the_same_command_
     cluster, users_tokens: Path
 ) -> None:
     """The user's own `scancel JOB` (not `ddp-launch stop`) on the configuration users train with
-    (tests/usershape.py: gpt-tiny on prepared tokens, a loader worker per rank, ~20 MB checkpoints,
+    (tests/usershape.py: gpt-tiny on prepared tokens, a loader worker per rank, ~5 MB checkpoints,
     replicas): Slurm signals every process of the step at once, the loader workers included, and each rank
     gets SIGTERM from slurmstepd and from torchrun (trainer.StopRequest: DDP_SLURM_STEP). Each rank still
     finishes its step and saves; the job ends CANCELLED, reported as 143, with no traceback and no process
@@ -349,7 +349,7 @@ def test_usr1_before_the_time_limit_with_requeue_saves_requeues_and_resumes(clus
 
 def test_the_real_time_limit_stops_saves_and_the_requeued_job_resumes(cluster, users_tokens: Path) -> None:
     """No signal by hand, on the configuration users train with (tests/usershape.py: a loader worker per
-    rank, ~20 MB checkpoints, replicas): `--time 2` with slurm_signal_lead_s=10 renders
+    rank, ~5 MB checkpoints, replicas): `--time 2` with slurm_signal_lead_s=10 renders
     --signal=B:USR1@10, and Slurm itself signals the batch script 10 s before the limit, or up to 60 s
     earlier (sbatch(1) --signal): 50-110 s into the allocation. Every rank saves, the job is requeued and
     resumes from that step; `ddp-launch stop` then ends it (143) after a later step, saved, never killed

@@ -3,7 +3,7 @@ management network, training on another, no shared disk, no ddp_master_addr), ch
 node0 (rank 0) is killed whole mid-run, sshd included, after a replica reached node1; `ddp-launch restart
 JOB --exclude node0` takes its MASTER_ADDR from ddp_network_cidr (node1's training address), resumes from
 node1's replica and finishes. As users train (tests/usershape.py): gpt-tiny on prepared tokens, a loader
-worker per rank, ~20 MB checkpoints, which is what the replica carries over the training network."""
+worker per rank, ~5 MB checkpoints, which is what the replica carries over the training network."""
 
 from __future__ import annotations
 

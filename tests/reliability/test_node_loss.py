@@ -8,7 +8,7 @@ On a testbed of this module's own (destroying hosts must not touch the shared on
   heartbeats can notice; the launcher must still end on its own within 30 s, name the host, say that
   it could not check that host, and leave nothing on the hosts it can reach.
 
-Both run as users train (tests/usershape.py: gpt-tiny on prepared tokens, a loader worker per rank, ~20 MB
+Both run as users train (tests/usershape.py: gpt-tiny on prepared tokens, a loader worker per rank, ~5 MB
 checkpoints, replicas on), one chain of restarts on this module's own directory: the crashed job exits 1
 with its newest checkpoint saved; `ddp-launch restart JOB --exclude node1` resumes from that step, and is
 the job that node2's partition then ends (exit 1, after its own save); `restart` of that one resumes from
