@@ -88,7 +88,7 @@ def restore_rng(state: dict[str, Any], env: DistEnv, device: torch.device, fallb
     rngs = state["rng"]
     if state.get("world_size") != env.world_size:
         logging.getLogger("ddp_train").warning(
-            "checkpoint world size %s, now %d: data order and RNG streams differ from an uninterrupted run",
+            "checkpoint world size %s, now %d: the ranks' RNG streams differ from an uninterrupted run",
             state.get("world_size"),
             env.world_size,
         )

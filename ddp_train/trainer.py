@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddp_train import cachedirs, checkpoint, distributed, exitcodes, stackdump, storage
+from ddp_train import batchplan, cachedirs, checkpoint, distributed, exitcodes, stackdump, storage
 from ddp_train.checkpoint import Checkpointer, params_sha256
 from ddp_train.config import Config, ConfigError
 from ddp_train.console import emit_line
@@ -148,6 +148,13 @@ class Trainer:
         train_set = build_dataset(cfg)
         val_set = build_val_dataset(cfg, train_set) if cfg.eval.interval_steps else None
         self.evaluator = Evaluator.from_config(cfg, val_set, env, device) if val_set is not None else None
+        if t.global_batch:  # sequences a step, kept for any world size: batch_size x accum follow
+            try:
+                said = batchplan.apply(t, env.world_size)
+            except batchplan.BatchError as e:
+                raise ConfigError("config", "train.global_batch", str(e)) from None
+            if said and env.is_main:
+                log.info("%s", said)
         self.batches = train_batches(cfg, train_set, env.rank, env.world_size, device, self.hooks.index_log)
         replicas = Replicas.from_config(cfg, env)  # copies of each save on other nodes (replica.py)
         self.checkpoints = Checkpointer.from_config(cfg, env, self.hooks.save_delay_s, replicas)
@@ -330,7 +337,14 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
-        self.batches.load_state_dict(state["data"])
+        then = state.get("config", {}).get("train", {})
+        shape = (then.get("batch_size"), state.get("world_size"), then.get("grad_accum_steps"))
+        t = self.cfg.train
+        now = (t.batch_size, self.env.world_size, t.grad_accum_steps)
+        data, said, warn = batchplan.resumed_data(state["data"], shape, now)
+        if said and self.env.is_main:
+            log.log(logging.WARNING if warn else logging.INFO, "%s", said)
+        self.batches.load_state_dict(data)
         self.step = self.saved_step = int(state["step"])
         self.last_loss = float(state.get("loss", float("nan")))
         self.best = BestValLoss(state.get("best"))

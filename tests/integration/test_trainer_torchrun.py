@@ -136,6 +136,37 @@ def test_gradient_accumulation_equals_the_large_batch(work, straight):
         torch.testing.assert_close(a[k], b[k], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
+def test_a_resume_on_fewer_ranks_keeps_the_global_batch_and_ends_where_the_straight_run_does(work, straight):
+    """train.global_batch 64 (ddp_train/batchplan.py): 2 ranks x 16 x 2 to step 10, then 1 rank x 16 x 4
+    from its checkpoint: the same 64 sequences a step from where the epoch stopped, so the parameters at
+    step 20 are the straight 2-rank run's up to float summation order (as 2 x 16 equals 1 x 32 above)."""
+    import torch
+
+    keep = sets(train__global_batch=64)
+    first = run_torchrun([*COMMON, *keep, *sets(run__dir="fewer", train__max_steps=10)], cwd=work)
+    assert first.returncode == 0, describe(first)
+    second = run_torchrun([*COMMON, *keep, *sets(run__dir="fewer")], cwd=work, nproc=1)
+    assert second.returncode == 0, describe(second)
+    said = "global batch 64 kept on 1 rank(s): batch_size 16 x grad_accum_steps 4 (configured 16 x 2)"
+    assert said in second.stderr, second.stderr[-3000:]
+    moved = "global batch 64 kept: 16 x 2 rank(s) x 2 now 16 x 1 x 4; the epoch goes on 640 sequences in"
+    assert moved in second.stderr, second.stderr[-3000:]
+    ck = "default/checkpoints/step-00000020.pt"
+    a = torch.load(work / "fewer" / ck, weights_only=True)["model"]
+    b = torch.load(straight[1] / "checkpoints" / "step-00000020.pt", weights_only=True)["model"]
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], atol=2e-5, rtol=1e-4)
+
+
+def test_a_world_size_that_cannot_split_the_global_batch_is_one_line_exit_2(work):
+    bad = run_torchrun([*COMMON, *sets(train__global_batch=63, run__dir="odd")], cwd=work)
+    assert bad.returncode != 0
+    line = "train.global_batch: global batch 63 cannot be split evenly over 2 ranks (63/2 is not whole)"
+    # one line from the trainer (torchrun's own report of the failed ranks follows it)
+    assert line in bad.stderr and 'ddp_train/trainer.py", line' not in bad.stderr, bad.stderr[-3000:]
+
+
 def _wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
