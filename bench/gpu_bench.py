@@ -44,13 +44,16 @@ from ddp_train.metrics import JsonlWriter, ProgressBar, mfu, peak_flops  # noqa:
 from ddp_train.models import build_model, flops_per_token  # noqa: E402
 from ddp_train.optim import build_optimizer  # noqa: E402
 
-GPU_SETS = ["train.batch_size=16", "train.grad_accum_steps=1"]
+# one micro-batch of 16 a step on each rank, not the config's global batch of 512 (32 micro-batches a step
+# on one GPU): the bench times steps of a known size
+GPU_SETS = ["train.global_batch=null", "train.batch_size=16", "train.grad_accum_steps=1"]
 SMOKE_SETS = [
     "model.gpt.n_layer=2",
     "model.gpt.n_head=2",
     "model.gpt.n_embd=64",
     "model.gpt.block_size=64",
     "model.gpt.vocab_size=256",
+    "train.global_batch=null",
     "train.batch_size=4",
     "train.grad_accum_steps=1",
     "train.precision=fp32",

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from ddp_train import batchplan
 from ddp_train.checkpoint import Checkpointer, save, when
 from ddp_train.config import PACKAGE_DIR, ConfigError, load_config
 from ddp_train.launch.cli import main
@@ -22,12 +23,14 @@ def test_the_gpu_config_loads_and_is_sized_as_its_comment_says() -> None:
     cfg = load_config(str(GPT2))
     t, g = cfg.train, cfg.model.gpt
     assert (t.precision, t.compile, t.optimizer) == ("bf16", True, "adamw")
-    assert (t.batch_size, t.grad_accum_steps, g.block_size) == (64, 1, 1024)
-    # the comment's arithmetic: global batch = batch_size x ranks x grad_accum_steps, 8 ranks per node
-    assert t.batch_size * 8 * t.grad_accum_steps * g.block_size == 524_288
-    # ... and its table keeps the product when the ranks change
-    for ranks, batch, accum in ((4, 64, 2), (16, 32, 1), (32, 16, 1)):
-        assert batch * ranks * accum == t.batch_size * 8 * t.grad_accum_steps
+    assert (t.global_batch, t.batch_size, g.block_size) == (512, 64, 1024)
+    assert t.global_batch * g.block_size == 524_288  # the comment's tokens a step
+    # ... and its table is what the trainer makes of it for each number of ranks (batchplan.py)
+    for ranks, batch, accum in ((8, 64, 1), (4, 64, 2), (16, 32, 1), (32, 16, 1)):
+        s = batchplan.split(t.global_batch, ranks, t.batch_size)
+        assert (s.per_rank, s.accum) == (batch, accum)
+    with pytest.raises(batchplan.BatchError, match="over 24 ranks"):
+        batchplan.split(t.global_batch, 24, t.batch_size)
     assert 0 < cfg.checkpoint.interval_steps < t.max_steps and cfg.checkpoint.keep_latest_k > 0
     assert cfg.eval.interval_steps >= 100  # each eval stops every rank: not the CPU default of 10
     # the README's cluster command: own tokens with the vocabulary from meta.json
