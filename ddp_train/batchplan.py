@@ -109,12 +109,20 @@ def apply(train, world: int) -> str | None:
     )
 
 
-def resumed_data(data: dict, then: tuple, now: tuple) -> tuple[dict, str | None, bool]:
+def shape(state: dict) -> tuple | None:
+    """(batch_size, world, grad_accum_steps) of the run that saved checkpoint `state`; None for a
+    checkpoint that does not say (one saved before these were recorded, or not by the trainer)."""
+    train = (state.get("config") or {}).get("train") or {}
+    found = (train.get("batch_size"), state.get("world_size"), train.get("grad_accum_steps"))
+    return None if None in found else tuple(int(x) for x in found)
+
+
+def resumed_data(data: dict, then: tuple | None, now: tuple) -> tuple[dict, str | None, bool]:
     """The loader state to resume with, what to log, and whether it is a warning: `then` and `now` are
     (batch_size, world, grad_accum_steps) of the checkpoint's run and of this one. The same global batch
     at another shape moves the position to as many sequences into the epoch; another global batch keeps
     the position and warns that the batch and the data order differ from an unbroken run."""
-    if None in then or tuple(then) == tuple(now):
+    if then is None or tuple(then) == tuple(now):
         return data, None, False
     (b0, w0, a0), (b1, w1, a1) = then, now
     g0, g1 = b0 * w0 * a0, b1 * w1 * a1

@@ -100,7 +100,7 @@ class OptimConfig:
     max_steps: int = 40
     batch_size: int = 32
     grad_accum_steps: int = 1
-    global_batch: int | None = None
+    global_batch: int | str | None = None  # or "auto": the checkpoint's (trainer, batchplan.py)
     optimizer: str = "adamw"
     lr: float = 0.003
     min_lr: float = 0.0003

@@ -148,17 +148,15 @@ class Trainer:
         train_set = build_dataset(cfg)
         val_set = build_val_dataset(cfg, train_set) if cfg.eval.interval_steps else None
         self.evaluator = Evaluator.from_config(cfg, val_set, env, device) if val_set is not None else None
-        if t.global_batch:  # sequences a step, kept for any world size: batch_size x accum follow
-            try:
-                said = batchplan.apply(t, env.world_size)
-            except batchplan.BatchError as e:
-                raise ConfigError("config", "train.global_batch", str(e)) from None
-            if said and env.is_main:
-                log.info("%s", said)
-        self.batches = train_batches(cfg, train_set, env.rank, env.world_size, device, self.hooks.index_log)
         replicas = Replicas.from_config(cfg, env)  # copies of each save on other nodes (replica.py)
         self.checkpoints = Checkpointer.from_config(cfg, env, self.hooks.save_delay_s, replicas)
-        resumed = self._resume()
+        # the checkpoint first: train.global_batch 'auto' keeps its global batch, which shapes the batches
+        found = self.checkpoints.restore(device, into={"model": self.model.state_dict()})
+        said = self._keep_global_batch(found[0] if found else None)
+        self.batches = train_batches(cfg, train_set, env.rank, env.world_size, device, self.hooks.index_log)
+        resumed = self._resume(found)
+        if said and env.is_main:
+            log.info("%s", said)
         if not resumed:
             checkpoint.seed_rng(cfg.seed + env.rank)
         # validation needs no DDP: no gradient, so no reducer or buffer broadcast
@@ -317,10 +315,25 @@ class Trainer:
 
     # --- resume / save ----------------------------------------------------------------------------
 
-    def _resume(self) -> bool:
-        """Resume from the newest valid checkpoint found on any node (checkpoint.Checkpointer.restore)."""
-        # the model's own tensors receive the broadcast: no rank but the reader holds a copy of the state
-        found = self.checkpoints.restore(self.device, into={"model": self.model.state_dict()})
+    def _keep_global_batch(self, state: dict[str, Any] | None) -> str | None:
+        """train.global_batch: batch_size and grad_accum_steps for this world size (batchplan.py); 'auto'
+        is the checkpoint's global batch, or on a fresh start what the configured ones make. The line
+        to log when they changed; a world size that cannot make it is a ConfigError (exit 2)."""
+        t, world = self.cfg.train, self.env.world_size
+        if t.global_batch == "auto":
+            then = batchplan.shape(state) if state is not None else None
+            b, w, a = then if then is not None else (t.batch_size, world, t.grad_accum_steps)
+            t.global_batch = b * w * a
+        if not t.global_batch:
+            return None
+        try:
+            return batchplan.apply(t, world)
+        except batchplan.BatchError as e:
+            raise ConfigError("config", "train.global_batch", str(e)) from None
+
+    def _resume(self, found: tuple | None) -> bool:
+        """Resume from the newest valid checkpoint found on any node (checkpoint.Checkpointer.restore;
+        the model's own tensors received its broadcast: no rank but the reader holds a copy)."""
         if found is None:
             log.info("fresh start (no checkpoint in %s)", self.cfg.checkpoint_dir)
             return False
@@ -337,11 +350,9 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(state["scaler"])
-        then = state.get("config", {}).get("train", {})
-        shape = (then.get("batch_size"), state.get("world_size"), then.get("grad_accum_steps"))
         t = self.cfg.train
         now = (t.batch_size, self.env.world_size, t.grad_accum_steps)
-        data, said, warn = batchplan.resumed_data(state["data"], shape, now)
+        data, said, warn = batchplan.resumed_data(state["data"], batchplan.shape(state), now)
         if said and self.env.is_main:
             log.log(logging.WARNING if warn else logging.INFO, "%s", said)
         self.batches.load_state_dict(data)

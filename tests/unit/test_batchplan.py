@@ -117,7 +117,7 @@ def test_apply_sets_the_train_section_and_says_so_only_when_it_changed() -> None
 def test_resumed_data_moves_the_position_for_the_same_global_batch_and_warns_for_another() -> None:
     data = {"epoch": 3, "position": 10}
     assert resumed_data(data, (12, 4, 1), (12, 4, 1)) == (data, None, False)
-    assert resumed_data(data, (None, None, None), (12, 4, 1)) == (data, None, False)  # an old checkpoint
+    assert resumed_data(data, None, (12, 4, 1)) == (data, None, False)  # an old checkpoint
     moved, said, warn = resumed_data(data, (12, 4, 1), (8, 3, 2))
     assert moved == {"epoch": 3, "position": 20} and not warn
     assert said == (

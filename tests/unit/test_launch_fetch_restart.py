@@ -125,19 +125,16 @@ def test_restart_argv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         "run", "--hosts", "inv", "--secret-env", "HF_TOKEN", "--set", "a=1", "--exclude", "node0",
         "train.py", "--fresh", "--job-id", "mine",  # the script's own arguments stay as they were
     ]  # fmt: skip
+    # the packaged trainer keeps the checkpoint's global batch (on fewer nodes too), unless told otherwise
+    keep = ["--set", "train.global_batch=auto"]
     data["argv"] = ["run", "--hosts", "inv", "--", "--lr", "1"]
     assert recorded.restart_argv("j", data, ["--limit", "a"]) == [
-        "run",
-        "--hosts",
-        "inv",
-        "--limit",
-        "a",
-        "--",
-        "--lr",
-        "1",
-    ]
+        "run", "--hosts", "inv", *keep, "--limit", "a", "--", "--lr", "1",
+    ]  # fmt: skip
     data["argv"] = ["run", "--monitor", "--job-id", "d1", "--hosts", "inv"]  # what a detached job records
-    assert recorded.restart_argv("j", data, []) == ["run", "--hosts", "inv", "--detach"]
+    assert recorded.restart_argv("j", data, []) == ["run", "--hosts", "inv", "--detach", *keep]
+    data["argv"] = ["run", "--hosts", "inv", "--set", "train.global_batch=96"]
+    assert recorded.restart_argv("j", data, []) == ["run", "--hosts", "inv", "--set", "train.global_batch=96"]
     data["argv"] = ["--hosts", "a,", "-e", "ansible_password=***"]
     with pytest.raises(LaunchError, match="masks a secret in 'ansible_password=\\*\\*\\*'"):
         recorded.restart_argv("j", data, [])

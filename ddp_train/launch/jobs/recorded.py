@@ -4,7 +4,8 @@
 `ddp-launch restart JOB [OPTIONS]` runs that command again from the recorded directory, as a new job: its
 --job-id and --fresh are dropped (a restart continues from the newest checkpoint, and says so on its
 first line; a detached job detaches again), OPTIONS (e.g. `--exclude node0`) go after the recorded
-options, before the script or `--`.
+options, before the script or `--`. The packaged trainer gets `--set train.global_batch=auto` (unless the
+command sets it): the checkpoint's global batch, on fewer nodes too, or one line saying why it cannot be.
 A value job.json masks (`--env NAME=***`) is taken from this shell's $NAME (as `--secret-env NAME`);
 without it the restart is refused with one line naming it. So is a master the inventory pins to a node
 the restart leaves out (`check_master`).
@@ -24,6 +25,7 @@ from typing import Any
 from ddp_train.launch.errors import LaunchError
 
 DROPPED = {"--job-id": 1, "--fresh": 0, "--monitor": 0}  # option -> how many values follow it
+KEEP_GLOBAL_BATCH = ["--set", "train.global_batch=auto"]
 
 
 def parsed(job_id: str, data: dict[str, Any]) -> tuple[list[str], argparse.Namespace]:
@@ -116,6 +118,9 @@ def restart_argv(job_id: str, data: dict[str, Any], extra: list[str]) -> list[st
         i += 1
     if "--monitor" in options:  # a detached job's monitor recorded it: detached again
         kept.append("--detach")
+    packaged = not rest or rest[0] == "--"  # the packaged trainer, not a script of the user's
+    if packaged and not any(o.startswith("train.global_batch=") for o in opts.overrides):
+        kept += KEEP_GLOBAL_BATCH  # on fewer nodes too: the checkpoint's global batch (batchplan.py)
     return ["run", *unmask(job_id, kept), *extra, *rest]
 
 
