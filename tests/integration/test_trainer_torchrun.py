@@ -138,15 +138,15 @@ def test_gradient_accumulation_equals_the_large_batch(work, straight):
 
 @pytest.mark.slow
 def test_a_resume_on_fewer_ranks_keeps_the_global_batch_and_ends_where_the_straight_run_does(work, straight):
-    """train.global_batch 64 (ddp_train/batchplan.py): 2 ranks x 16 x 2 to step 10, then 1 rank x 16 x 4
-    from its checkpoint: the same 64 sequences a step from where the epoch stopped, so the parameters at
-    step 20 are the straight 2-rank run's up to float summation order (as 2 x 16 equals 1 x 32 above)."""
+    """A restart on fewer ranks (`ddp-launch restart --exclude` adds train.global_batch=auto): 2 ranks x
+    16 x 2 to step 10, then 1 rank from its checkpoint keeps its 64 sequences a step (16 x 4;
+    ddp_train/batchplan.py) from where the epoch stopped, so the parameters at step 20 are the straight
+    2-rank run's up to float summation order (as 2 x 16 equals 1 x 32 above)."""
     import torch
 
-    keep = sets(train__global_batch=64)
-    first = run_torchrun([*COMMON, *keep, *sets(run__dir="fewer", train__max_steps=10)], cwd=work)
+    first = run_torchrun([*COMMON, *sets(run__dir="fewer", train__max_steps=10)], cwd=work)
     assert first.returncode == 0, describe(first)
-    second = run_torchrun([*COMMON, *keep, *sets(run__dir="fewer")], cwd=work, nproc=1)
+    second = run_torchrun([*COMMON, *sets(run__dir="fewer", train__global_batch="auto")], cwd=work, nproc=1)
     assert second.returncode == 0, describe(second)
     said = "global batch 64 kept on 1 rank(s): batch_size 16 x grad_accum_steps 4 (configured 16 x 2)"
     assert said in second.stderr, second.stderr[-3000:]
