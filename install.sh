@@ -4,10 +4,12 @@
 # package carries the collections the playbooks use: community.general, containers.podman, ...), then
 # links ddp-launch, ddp-train and the ansible commands into a bin directory on PATH.
 #
-#   ./install.sh [--prefix DIR] [--bin DIR] [--force]
+#   ./install.sh [--prefix DIR] [--bin DIR] [--force] [--with EXTRAS]
 #     --prefix DIR   where the venv goes [${XDG_DATA_HOME:-~/.local/share}/ddp-train]
 #     --bin DIR      where the commands are linked [~/.local/bin]
 #     --force        replace commands of the same names already in --bin (kept otherwise)
+#     --with EXTRAS  optional parts, comma-separated: bpe (ddp-train prepare --tokenizer bpe), plot
+#                    (metrics.png), tensorboard; "" for none [bpe,plot]
 #   DDP_PYTHON=/path/to/python3.11 ./install.sh    # pick the interpreter (>= 3.11, as ansible-core needs)
 #
 # Linux or macOS (Homebrew's python@3.11 or newer). Re-running it updates the venv in place.
@@ -17,13 +19,21 @@ cd "$(dirname "$0")"
 prefix=${XDG_DATA_HOME:-$HOME/.local/share}/ddp-train
 bin=$HOME/.local/bin
 force=0
+extras=bpe,plot
 while [ $# -gt 0 ]; do
   case "$1" in
     --prefix) prefix=${2:?--prefix needs a directory}; shift 2 ;;
     --bin) bin=${2:?--bin needs a directory}; shift 2 ;;
     --force) force=1; shift ;;
-    -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "install.sh: unknown option '$1' (known: --prefix DIR, --bin DIR, --force)" >&2; exit 2 ;;
+    --with) extras=${2?--with needs a list (bpe,plot,tensorboard, or "")}; shift 2 ;;
+    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "install.sh: unknown option '$1' (known: --prefix DIR, --bin DIR, --force, --with EXTRAS)" >&2; exit 2 ;;
+  esac
+done
+for e in ${extras//,/ }; do
+  case "$e" in
+    bpe|plot|tensorboard) ;;
+    *) echo "install.sh: --with: unknown extra '$e' (known: bpe, plot, tensorboard)" >&2; exit 2 ;;
   esac
 done
 COMMANDS="ddp-launch ddp-train ansible ansible-playbook ansible-galaxy ansible-inventory ansible-config"
@@ -48,7 +58,7 @@ echo "install.sh: venv $venv ($("$PY" -V 2>&1))"
 # pip warns once per package about a machine's file:// index mirrors; keep the output readable.
 quiet_pip() { "$venv/bin/python" -m pip "$@" 2>&1 | { grep -v "^WARNING: Location 'file:" || true; }; }
 quiet_pip install -q --upgrade pip
-quiet_pip install -q -c constraints.txt -e .
+quiet_pip install -q -c constraints.txt -e ".${extras:+[$extras]}"
 for c in $COMMANDS; do
   [ -x "$venv/bin/$c" ] || { echo "install.sh: $venv/bin/$c missing after pip install" >&2; exit 1; }
 done
@@ -65,7 +75,7 @@ for c in $COMMANDS; do
   linked="$linked $c"
 done
 "$venv/bin/ddp-launch" --help >/dev/null
-echo "install.sh: $("$venv/bin/ansible-playbook" --version | head -1); linked into $bin:${linked:- nothing}"
+echo "install.sh: $("$venv/bin/ansible-playbook" --version | head -1); extras: ${extras:-none}; linked into $bin:${linked:- nothing}"
 if [ -n "$kept" ]; then
   echo "install.sh: kept what $bin already had for:$kept (not ours; ours are in $venv/bin;" \
        "./install.sh --force replaces them)"

@@ -367,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="byte|bpe|FILE",
         help="byte: UTF-8 bytes (vocab 256); bpe: a byte-level BPE trained on the train split and saved "
         "as DIR/tokenizer.json; FILE: a Hugging Face tokenizer.json on disk (copied to DIR). "
-        "bpe and FILE need `pip install 'ddp-train[bpe]'`",
+        "bpe and FILE need Hugging Face tokenizers (install.sh installs it: --with bpe, the default)",
     )
     p.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size (default 8192)")
     p.add_argument(

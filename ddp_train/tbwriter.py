@@ -11,7 +11,9 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-INSTALL_HINT = "pip install 'ddp-train[tensorboard]' (or: pip install tensorboard)"
+from ddp_train.text import install_hint
+
+INSTALL_HINT = install_hint("tensorboard", "tensorboard")
 
 
 class _Tee:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+import sys
 import time
 from typing import Any
 
@@ -29,3 +31,9 @@ def when(seconds: float, now: float | None = None) -> str:
     age = max(0, int((time.time() if now is None else now) - seconds))
     ago = f"{age // 3600}h{age % 3600 // 60:02d}m" if age >= 3600 else f"{age // 60}m{age % 60:02d}s"
     return f"{stamp}, {ago} ago"
+
+
+def install_hint(package: str, extra: str) -> str:
+    """How to add the optional `package` to the Python running now (the venv that lacks it, named by
+    its own interpreter), and, on a controller made by install.sh, the switch that does it."""
+    return f"{shlex.quote(sys.executable)} -m pip install {package} (install.sh: ./install.sh --with {extra})"

@@ -15,6 +15,7 @@ import numpy as np
 
 from ddp_train.config import ConfigError
 from ddp_train.digest import file_sha256
+from ddp_train.text import install_hint
 
 BYTE_VOCAB = 256
 BPE_FILE = "tokenizer.json"
@@ -55,7 +56,7 @@ def _hf() -> Any:
         raise ConfigError(
             "prepare",
             "--tokenizer",
-            "BPE and tokenizer files need Hugging Face tokenizers: pip install 'ddp-train[bpe]'",
+            f"BPE and tokenizer files need Hugging Face tokenizers: {install_hint('tokenizers', 'bpe')}",
         ) from None
     return tokenizers
 

@@ -49,5 +49,8 @@ def test_install_puts_the_launcher_and_ansible_on_path(tmp_path: Path) -> None:
     venv_python = home / ".local" / "share" / "ddp-train" / "venv" / "bin" / "python"
     torch = run(str(venv_python), "-c", "import importlib.metadata as m; print(m.version('torch'))").strip()
     assert torch.split("+")[0] == "2.13.0", torch
+    # the optional parts a newcomer meets first (--with bpe,plot, the default): BPE and metrics.png
+    extras = run(str(venv_python), "-c", "import tokenizers, matplotlib; print('ok')").strip()
+    assert extras == "ok" and "extras: bpe,plot;" in res.stdout, res.stdout
     log = (tmp_path / "pip.log").read_text(errors="replace")
     assert not re.search(r"Downloading \S*torch-", log), re.findall(r".*Downloading \S*torch-.*", log)[:3]

@@ -253,8 +253,8 @@ def test_metrics_render_a_png_or_say_how_to_get_one(tmp_path: Path, monkeypatch:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed
     line = metricsview.render_png(records, tmp_path / "metrics.png")
     assert (
-        line
-        == "plot: matplotlib is not installed: pip install 'ddp-train[plot]' (or: pip install matplotlib)"
+        line == f"plot: matplotlib is not installed: {sys.executable} -m pip install matplotlib (install.sh: "
+        "./install.sh --with plot)"
     )
     monkeypatch.undo()
     pytest.importorskip("matplotlib")  # dev extras install it (pyproject), so CI runs the rest

@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from ddp_train.launch.jobs.jobstate import PRIVATE_FILE, write_private
+from ddp_train.text import install_hint
 
 FETCH_EVERY_S = 30.0
-PLOT_HINT = "pip install 'ddp-train[plot]' (or: pip install matplotlib)"
+PLOT_HINT = install_hint("matplotlib", "plot")
 
 
 def rank0(plan: Any) -> Any:
