@@ -1,7 +1,7 @@
 """The global batch (sequences per optimizer step) kept for any world size: which per-rank micro-batch and
-how many micro-batches per step make it, the one line that says why it cannot be made, the node counts
-that can, and where a resumed epoch goes on at another world size. Pure arithmetic, no torch: the
-trainer applies it at its start (`train.global_batch`), the launcher checks it before it starts nodes.
+how many micro-batches per step make it, the one line that says why it cannot be made, and where a
+resumed epoch goes on at another world size. Pure arithmetic, no torch: the trainer applies it at its
+start (`train.global_batch`; `ddp-launch restart` asks for the checkpoint's with 'auto').
 
 The per-rank batch (`train.batch_size`) is what fits in memory; it never grows. It shrinks only when the
 global batch per rank is not a multiple of it, to the largest divisor that is not above it, and
@@ -29,9 +29,6 @@ class Split:
     per_rank: int  # train.batch_size: sequences in one micro-batch of one rank
     accum: int  # train.grad_accum_steps
 
-    def describe(self) -> str:
-        return f"{self.per_rank} a rank x {self.world} rank(s) x {self.accum} micro-batch(es)"
-
 
 def split(global_batch: int, world: int, max_per_rank: int) -> Split:
     """The Split of `global_batch` over `world` ranks with at most `max_per_rank` a micro-batch; BatchError
@@ -54,25 +51,6 @@ def split(global_batch: int, world: int, max_per_rank: int) -> Split:
             f"(at most {MAX_ACCUM}): raise train.batch_size or lower the global batch"
         )
     return Split(global_batch, world, per_rank, accum)
-
-
-def node_counts(global_batch: int, ranks_per_node: int, up_to: int) -> list[int]:
-    """The node counts from 1 to `up_to` whose ranks split `global_batch` evenly."""
-    return [n for n in range(1, up_to + 1) if global_batch % (n * ranks_per_node) == 0]
-
-
-def refusal(global_batch: int, ranks_per_node: int, nodes: int, up_to: int) -> str | None:
-    """None when `nodes` nodes of `ranks_per_node` ranks split `global_batch` evenly, else the one line
-    that says so and which node counts up to `up_to` would."""
-    world = nodes * ranks_per_node
-    if global_batch % world == 0:
-        return None
-    good = node_counts(global_batch, ranks_per_node, up_to)
-    counts = ", ".join(map(str, good)) if good else "none"
-    return (
-        f"global batch {global_batch} cannot be kept on {nodes} node(s) ({world} ranks: "
-        f"{global_batch}/{world} is not whole); node counts that keep it: {counts}"
-    )
 
 
 def resume_position(position: int, old_accum: int, new_accum: int) -> int:

@@ -11,8 +11,6 @@ from ddp_train.batchplan import (
     MAX_ACCUM,
     BatchError,
     apply,
-    node_counts,
-    refusal,
     resume_position,
     resumed_data,
     split,
@@ -57,16 +55,6 @@ def test_a_refusal_is_one_line_naming_the_world_sizes_that_keep_it() -> None:
 def test_a_prime_share_of_a_rank_is_made_of_micro_batches_of_one() -> None:
     s = split(13 * 4, 4, 8)
     assert (s.per_rank, s.accum) == (1, 13)
-
-
-def test_node_counts_and_the_launchers_refusal() -> None:
-    assert node_counts(512, 8, 8) == [1, 2, 4, 8]
-    assert refusal(512, 8, 4, 4) is None
-    assert refusal(512, 8, 3, 4) == (
-        "global batch 512 cannot be kept on 3 node(s) (24 ranks: 512/24 is not whole); node counts that keep "
-        "it: 1, 2, 4"
-    )
-    assert refusal(7, 2, 3, 3).endswith("node counts that keep it: none")
 
 
 def _consumed(num: int, world: int, per_rank: int, seed: int, start: int, micro: int) -> list[int]:
