@@ -338,14 +338,17 @@ class Trainer:
             log.info("fresh start (no checkpoint in %s)", self.cfg.checkpoint_dir)
             return False
         state, path, src, host = found
-        self.load_state_dict(state, path)
+        said, warn = self.load_state_dict(state, path)
         log.info("%s", checkpoint.resumed_line(path, state, host, src))  # the run's first INFO line
+        if said and self.env.is_main:  # where the epoch goes on, when the world size changed
+            log.log(logging.WARNING if warn else logging.INFO, "%s", said)
         if self.step >= (total := self.cfg.train.max_steps):
             log.info("checkpoint step %d >= train.max_steps %d: nothing left to train", self.step, total)
         return True
 
-    def load_state_dict(self, state: dict[str, Any], path: str) -> None:
-        """Apply a checkpoint's state (what state_dict returned); CheckpointError if it does not fit."""
+    def load_state_dict(self, state: dict[str, Any], path: str) -> tuple[str | None, bool]:
+        """Apply a checkpoint's state (what state_dict returned); CheckpointError if it does not fit.
+        What to say of the batch and the data position when the shape changed, and whether to warn."""
         checkpoint.load_weights(state, path, self.model, self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler") and self.scaler.is_enabled():
@@ -353,13 +356,12 @@ class Trainer:
         t = self.cfg.train
         now = (t.batch_size, self.env.world_size, t.grad_accum_steps)
         data, said, warn = batchplan.resumed_data(state["data"], batchplan.shape(state), now)
-        if said and self.env.is_main:
-            log.log(logging.WARNING if warn else logging.INFO, "%s", said)
         self.batches.load_state_dict(data)
         self.step = self.saved_step = int(state["step"])
         self.last_loss = float(state.get("loss", float("nan")))
         self.best = BestValLoss(state.get("best"))
         checkpoint.restore_rng(state, self.env, self.device, self.cfg.seed + self.env.rank + self.step)
+        return said, warn
 
     def state_dict(self, rngs: list[Any]) -> dict[str, Any]:
         """Everything a bit-exact resume needs; `rngs` holds every rank's RNG state, in rank order."""
