@@ -36,7 +36,7 @@ components:          checkpoint data models optim evaluate metrics tbwriter toke
                      cachedirs stackdump
 collectives:         distributed
 config and storage:  config storage
-base:                __init__ errors text exitcodes digest console cliargs
+base:                __init__ errors text exitcodes digest console cliargs batchplan
 """
 
 

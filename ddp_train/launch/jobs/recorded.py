@@ -118,8 +118,10 @@ def restart_argv(job_id: str, data: dict[str, Any], extra: list[str]) -> list[st
         i += 1
     if "--monitor" in options:  # a detached job's monitor recorded it: detached again
         kept.append("--detach")
-    packaged = not rest or rest[0] == "--"  # the packaged trainer, not a script of the user's
-    if packaged and not any(o.startswith("train.global_batch=") for o in opts.overrides):
+    from ddp_train.launch.runargs import split_rest
+
+    split_rest(opts)  # opts.script: None for the packaged trainer
+    if opts.script is None and not any(o.startswith("train.global_batch=") for o in opts.overrides):
         kept += KEEP_GLOBAL_BATCH  # on fewer nodes too: the checkpoint's global batch (batchplan.py)
     return ["run", *unmask(job_id, kept), *extra, *rest]
 
