@@ -19,8 +19,9 @@ need ~n x n entries: `up` raises net.ipv{4,6}.neigh.default.gc_thresh1/2/3 for i
 restores them, both said on stderr (tests/testbed/neigh.py keeps the count across testbeds in /run).
 
 Each host's root gets a fresh Debian root's ~/.bashrc and ~/.profile (not this machine's, whose
-`pyenv init` cost 0.08 CPU-s per SSH command), and its system Python the payload cache of
-tests/testbed/zipcode.py (Ansible's modules compiled once, not per task; docs/testing.md).
+`pyenv init` cost 0.08 CPU-s per SSH command), its system Python the payload cache of
+tests/testbed/zipcode.py (Ansible's modules compiled once, not per task), and every SSH session
+PIP_COMPILE=false: pip installs torch's wheel without byte-compiling it (docs/testing.md).
 
 `--os rocky9` makes every host an EL9 simulation host (tests/testbed/el): its overlays also cover
 /usr and /boot, its /etc says Rocky Linux 9.6, its rpmdb and dnf cache live in its own /var, and
@@ -425,7 +426,7 @@ MaxSessions 100
 MaxStartups 100:30:200
 Subsystem sftp /usr/lib/openssh/sftp-server
 AcceptEnv LANG LC_*
-SetEnv PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+SetEnv PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin PIP_COMPILE=false
 """
         )
         lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback"]
