@@ -195,6 +195,26 @@ def _run_options(run: argparse.ArgumentParser, job: argparse._ArgumentGroup) -> 
     )
     job.add_argument("--max-restarts", type=int, metavar="R", help="passed to torchrun")
     job.add_argument(
+        "--on-node-loss",
+        choices=("stop", "restart"),
+        help="a node lost (crashed, unreachable, its agent failed, named by the stall watchdog): stop the "
+        "job, or restart it on the other nodes from the newest checkpoint with the same global batch "
+        "[ddp_on_node_loss, else stop]",
+    )
+    job.add_argument(
+        "--max-node-losses",
+        type=int,
+        metavar="N",
+        help="with restart: give up once more than N nodes are lost in all [ddp_max_node_losses, else 2]",
+    )
+    job.add_argument(
+        "--min-nodes",
+        type=int,
+        metavar="N",
+        help="with restart: give up rather than go on with fewer than N nodes [ddp_min_nodes, else the "
+        "job's nodes minus the losses allowed, at least 1]",
+    )
+    job.add_argument(
         "--rdzv",
         choices=("static", "c10d"),
         help="torchrun rendezvous [static; c10d when --max-restarts > 0 on several nodes, "

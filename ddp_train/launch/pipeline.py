@@ -73,8 +73,6 @@ class Backend(Protocol):
 
 def launch(cfg: LaunchConfig, backend: Callable[[LaunchConfig, JobLog], Backend] | None = None) -> int:
     """Run the job in this process (foreground, or as the detached monitor), its state in job.json."""
-    from ddp_train.launch.jobs import metricsview
-
     plan = cfg.plan
     if cfg.monitor:  # the detached monitor: no terminal, so no SIGHUP; and it ignores one besides
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -96,25 +94,79 @@ def launch(cfg: LaunchConfig, backend: Callable[[LaunchConfig, JobLog], Backend]
                 log.block(str(f))
             log.note(plan.script_check.summary())
         with (backend or SshBackend)(cfg, log) as nodes:
-            try:
-                # netif re-ranks under c10d (torchrun orders nodes by --local-addr): status reads rank 0
-                plan = nodes.prepare(plan, lambda p: jobstate.update_state(state, nodes=_nodes(p)))
-            except Refused as e:
-                code = e.code
-                return code
-            if plan.config:
-                jobstate.write_private(log.dir / Path(plan.config).name, Path(plan.config).read_bytes())
-            fetcher = metricsview.start(plan, plan.config, cfg.overrides, log.dir, cfg.connect_timeout)
-            result = nodes.run(plan, lambda s: jobstate.update_state(state, state=s))
-        code = result.code
-        jobstate.update_state(state, reason=result.reason, stopped_cleanly=result.stopped_cleanly)
-        shown = metricsview.finish(fetcher, log.dir)
-        if shown:
-            log.note(shown)
+            code = _attempts(cfg, plan, nodes, log, state)
         return code
     finally:
         log.close()
         jobstate.update_state(state, state="finished", exit_code=code, ended=time.time())
+
+
+def _attempts(cfg: LaunchConfig, plan: JobPlan, nodes: Backend, log: JobLog, state: Path) -> int:
+    """Run the job; with ddp_on_node_loss: restart, again on the other nodes after each lost node, as
+    the next attempt of the same job (launch/run/nodeloss.py decides), until it ends otherwise."""
+    from ddp_train.launch.errors import LaunchError
+    from ddp_train.launch.jobs import metricsview
+    from ddp_train.launch.plan.plan import replan
+    from ddp_train.launch.run.nodeloss import decide
+    from ddp_train.launch.run.sigtrap import SignalTrap
+
+    attempts: list[dict[str, Any]] = []
+    lost: list[dict[str, Any]] = []
+    while True:
+        try:
+            # netif re-ranks under c10d (torchrun orders nodes by --local-addr): status reads rank 0
+            plan = nodes.prepare(plan, lambda p: jobstate.update_state(state, nodes=_nodes(p)))
+        except Refused as e:
+            return e.code
+        if plan.config and not attempts:
+            jobstate.write_private(log.dir / Path(plan.config).name, Path(plan.config).read_bytes())
+        fetcher = metricsview.start(plan, plan.config, cfg.overrides, log.dir, cfg.connect_timeout)
+        started = time.time()
+        result = nodes.run(plan, lambda s: jobstate.update_state(state, state=s))
+        jobstate.update_state(state, reason=result.reason, stopped_cleanly=result.stopped_cleanly)
+        shown = metricsview.finish(fetcher, log.dir)
+        if shown:
+            log.note(shown)
+        n = len(attempts) + 1
+        names = [p.node.name for p in plan.nodes]
+        decision = decide(result, plan.recovery, lost, names, n)
+        if plan.recovery.mode == "restart":
+            attempts.append(_attempt_record(n, plan, started, result))
+            lost += [x.record(n) for x in result.lost if x.host in decision.exclude]
+            jobstate.update_state(state, attempt=n, attempts=attempts, lost=lost,
+                                  policy=dataclasses.asdict(plan.recovery))  # fmt: skip
+        for line in decision.lines:
+            log.note(line)
+        if not decision.restart:
+            return result.code
+        with SignalTrap((signal.SIGINT, signal.SIGTERM)) as trap:  # a stop while restarting: none
+            jobstate.update_state(state, state="restarting")
+            try:
+                plan = replan(plan, decision.exclude, plan.config)
+            except LaunchError as e:
+                log.note(f"cannot restart: {e}")
+                return result.code
+            if trap.first:
+                log.note(f"{trap.reason()} while restarting: not restarting")
+                return 128 + trap.first
+        jobstate.update_state(state, master=plan.master_name, master_addr=plan.master_addr,
+                              nodes=_nodes(plan))  # fmt: skip
+
+
+def _attempt_record(n: int, plan: JobPlan, started: float, result: JobResult) -> dict[str, Any]:
+    """An attempt's entry in job.json's "attempts" (ddp-launch status shows them)."""
+    return {
+        "n": n,
+        "nodes": [p.node.name for p in plan.nodes],
+        "master": plan.master_name,
+        "started": round(started, 3),
+        "ended": round(time.time(), 3),
+        "exit_code": result.code,
+        "reason": result.reason,
+        "resumed_step": result.resumed_step,
+        "last_step": result.last_step,
+        "first_step_at": result.first_step_at and round(result.first_step_at, 3),
+    }
 
 
 def _nodes(plan: JobPlan) -> Any:
@@ -129,6 +181,7 @@ class SshBackend:
 
         self.cfg, self.log = cfg, log
         self.pool = SessionPool(cfg.connect_timeout)
+        self.prepared = cfg.prepared  # the first attempt only: a restart's nodes are prepared here
 
     def __enter__(self) -> SshBackend:
         return self
@@ -143,7 +196,8 @@ class SshBackend:
         from ddp_train.launch.preflight.preflight import check_space, run_preflight
 
         cfg, log = self.cfg, self.log
-        if cfg.prepared:  # launch/jobs/clustermon.py: the controller did all of this before the handoff
+        prepared, self.prepared = self.prepared, False
+        if prepared:  # launch/jobs/clustermon.py: the controller did all of this before the handoff
             return plan
         if plan.sync and not sync_nodes(plan, self.pool, cfg, log):
             raise Refused(exitcodes.NODE_FAILED)
@@ -201,7 +255,9 @@ class SshBackend:
             watch=StallWatch(plan.job_id, self.log.dir, cfg.stall_timeout, times),
             times=times,
         )
-        return job.run()
+        result = job.run()
+        return dataclasses.replace(result, resumed_step=times.resumed_step, last_step=times.last_step,
+                                   first_step_at=times.first_step_at)  # fmt: skip
 
     def _ship_config(self, plan: JobPlan) -> bool:
         from ddp_train.launch.remote.fanout import parallel

@@ -20,9 +20,6 @@ if TYPE_CHECKING:  # the heavy modules load only when a command needs them
     from ddp_train.launch.slurm.settings import SlurmSettings
 
 
-FRESH = "checkpoint.resume=never"  # what --fresh means to the packaged trainer (checkpoint.py refuses)
-
-
 def split_rest(opts: argparse.Namespace) -> list[str]:
     """What followed the options (`rest`): `-- trainer args` (returned) or `script [script args]`
     (set as opts.script, opts.script_args)."""
@@ -51,7 +48,7 @@ def controller_limits(plan: JobPlan, opts: argparse.Namespace) -> None:
 
 def build(opts: argparse.Namespace, trainer_args: list[str], doctor: bool) -> JobPlan:
     from ddp_train.launch.plan.inventory import DEFAULT_INVENTORY, ENV_NAME, load_nodes
-    from ddp_train.launch.plan.plan import Options, build_plan
+    from ddp_train.launch.plan.plan import FRESH, Options, build_plan
 
     env = {}
     for item in opts.env:
@@ -130,6 +127,9 @@ def build(opts: argparse.Namespace, trainer_args: list[str], doctor: bool) -> Jo
         required=tuple(required),
         script_check=check,
         script_check_mode=mode,
+        on_node_loss=getattr(opts, "on_node_loss", None),  # doctor has none
+        max_node_losses=getattr(opts, "max_node_losses", None),
+        min_nodes=getattr(opts, "min_nodes", None),
     )
     return build_plan(nodes, options)
 

@@ -3,6 +3,7 @@ with its path; the other rank's consequence is 'stopped: ...', its traceback in 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -12,7 +13,7 @@ import pytest
 
 from ddp_train import checkpoint
 from tests import usershape
-from tests.cluster.test_launch_embedded import start
+from tests.cluster.test_launch_embedded import LAUNCH, start
 from tests.cluster.test_launch_testbed import job_pids
 from tests.integration.test_failures_disk import tmpfs
 
@@ -81,3 +82,41 @@ def test_stall_first_error_of_the_other_rank_is_the_watchdog_not_a_traceback(
     assert again.returncode == 0, out2
     assert re.search(r"\[local0 r0\] .*INFO resumed from \S+step-00000020\.pt at step 20", out2), out2
     assert job_pids("fe-stall2") == []
+
+
+def test_with_on_node_loss_restart_a_stalled_node_is_left_out_and_the_job_finishes_without_it(
+    tmp_path: Path, users_tokens: Path
+) -> None:
+    """ddp_on_node_loss: restart, as users train (tests/usershape.py), nobody touching anything: local1's
+    rank blocks after step 20, the watchdog names it, and the launcher restarts the job by itself on local0
+    alone as attempt 2 of the same job: it resumes from step 20 with the same global batch (16 x 2 ranks
+    x 1 now 16 x 1 x 2) and finishes; job.json and `status` show both attempts and the lost node."""
+    train = [*usershape.trainer_args(users_tokens), "--set", f"run.dir={tmp_path / 'runs'}"]
+    args = ["--job-id", "fe-heal", "--env", "DDP_DEBUG_STALL=1:20", "--stall-timeout", "15",
+            "--on-node-loss", "restart", "--max-node-losses", "1"]  # fmt: skip
+    proc = start([*args, *train], tmp_path)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    restarting = (
+        r"local1 lost \(stalled: the stall watchdog named it\); excluded; restarting on 1 node\(s\) as "
+        r"attempt 2 of the job \(1 of ddp_max_node_losses 1 used\)"
+    )
+    assert re.search(restarting, out), out
+    r0 = r"\[local0 r0\] .*INFO "
+    assert re.search(r0 + r"resumed from \S+step-00000020\.pt at step 20 of job fe-heal", out), out
+    assert re.search(r0 + r"global batch 32 kept: 16 x 2 rank\(s\) x 1 now 16 x 1 x 2", out), out
+    assert re.findall(r"^\[(local\d) r0\] ddp-train: final rank=0 world=1 step=(\d+) ", out, re.M) == [
+        ("local0", "30")
+    ], out
+    assert job_pids("fe-heal") == []
+    data = json.loads((tmp_path / "logs" / "fe-heal" / "job.json").read_text())
+    assert (data["state"], data["exit_code"], data["attempt"]) == ("finished", 0, 2), data
+    assert [a["nodes"] for a in data["attempts"]] == [["local0", "local1"], ["local0"]], data
+    assert [(a["resumed_step"], a["last_step"]) for a in data["attempts"]] == [(None, 20), (20, 30)], data
+    assert [(x["host"], x["attempt"]) for x in data["lost"]] == [("local1", 1)], data
+    status = subprocess.run([LAUNCH, "status", "fe-heal"], cwd=tmp_path, capture_output=True, text=True)
+    attempt2 = r"^attempt 2: 1 nodes \(local0\), master local0, steps 20-30, exit 0"
+    assert re.search(attempt2, status.stdout, re.M), status.stdout
+    lost = r"^lost local1 at .* \(attempt 1\): stalled: .*; steps lost: 0; training went on \d+s later"
+    assert re.search(lost, status.stdout, re.M), status.stdout
+    print(status.stdout)

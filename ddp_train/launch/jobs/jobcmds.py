@@ -174,6 +174,8 @@ def _status(job_dir: Path, data: dict[str, Any]) -> int:
     )
     if data.get("reason"):
         print(f"reason: {data['reason']}")
+    for line in recovery_lines(data):
+        print(line)
     if jobstate.effective_state(data) == "lost":
         print(
             "the monitor is gone (killed?); every node stops its job by itself within "
@@ -203,6 +205,40 @@ def _status(job_dir: Path, data: dict[str, Any]) -> int:
     for line in refresh(job_dir, data):
         print(line)
     return 0
+
+
+def recovery_lines(data: dict[str, Any]) -> list[str]:
+    """A job run with ddp_on_node_loss: restart: its attempts, each lost node (when, why, the steps it
+    cost, how long until training went on) and the world it runs on now."""
+    attempts, lost = data.get("attempts") or [], data.get("lost") or []
+    if len(attempts) < 2 and not lost:
+        return []
+    out = []
+    for a in attempts:
+        steps = "-" if a.get("last_step") is None else f"{a.get('resumed_step') or 0}-{a['last_step']}"
+        out.append(
+            f"attempt {a.get('n')}: {len(a.get('nodes') or [])} nodes ({', '.join(a.get('nodes') or [])}), "
+            f"master {a.get('master')}, steps {steps}"
+            + (f", exit {a['exit_code']}: {a.get('reason')}" if a.get("exit_code") is not None else "")
+        )
+    for x in lost:
+        after = next((a for a in attempts if a.get("n") == (x.get("attempt") or 0) + 1), None)
+        before = next((a for a in attempts if a.get("n") == x.get("attempt")), None)
+        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(x.get("at") or 0))
+        line = f"lost {x.get('host')} at {at} (attempt {x.get('attempt')}): {x.get('reason')}"
+        if after and before and after.get("resumed_step") is not None and before.get("last_step"):
+            line += f"; steps lost: {max(0, before['last_step'] - after['resumed_step'])}"
+        if after and after.get("first_step_at") and x.get("at"):
+            line += f"; training went on {after['first_step_at'] - x['at']:.0f}s later"
+        out.append(line)
+    if lost:
+        policy = data.get("policy") or {}
+        out.append(
+            f"{len(lost)} of ddp_max_node_losses {policy.get('max_losses')} used; now on "
+            f"{len(data.get('nodes') or [])} node(s); a lost node is not re-added while the job runs "
+            f"(ddp-launch restart {data.get('job_id')} after it ends uses every node the inventory selects)"
+        )
+    return out
 
 
 # ---- logs / attach --------------------------------------------------------------------------------

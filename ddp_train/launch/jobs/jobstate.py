@@ -21,7 +21,7 @@ from typing import Any
 STATE_FILE = "job.json"
 PRIVATE_FILE, PRIVATE_DIR = 0o600, 0o700  # a job's directory and files: its owner's only (issue #24)
 CONSOLE_FILE = "console.log"  # a detached monitor's stdout and stderr: what a foreground run prints
-LIVE = ("starting", "running", "stopping")
+LIVE = ("starting", "running", "stopping", "restarting")  # restarting: after a lost node (nodeloss.py)
 
 
 def state_path(log_dir: Path | str, job_id: str) -> Path:

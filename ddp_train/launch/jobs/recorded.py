@@ -25,7 +25,6 @@ from typing import Any
 from ddp_train.launch.errors import LaunchError
 
 DROPPED = {"--job-id": 1, "--fresh": 0, "--monitor": 0}  # option -> how many values follow it
-KEEP_GLOBAL_BATCH = ["--set", "train.global_batch=auto"]
 
 
 def parsed(job_id: str, data: dict[str, Any]) -> tuple[list[str], argparse.Namespace]:
@@ -118,11 +117,15 @@ def restart_argv(job_id: str, data: dict[str, Any], extra: list[str]) -> list[st
         i += 1
     if "--monitor" in options:  # a detached job's monitor recorded it: detached again
         kept.append("--detach")
+    from ddp_train.launch.plan.plan import KEEP_GLOBAL_BATCH
     from ddp_train.launch.runargs import split_rest
 
     split_rest(opts)  # opts.script: None for the packaged trainer
     if opts.script is None and not any(o.startswith("train.global_batch=") for o in opts.overrides):
-        kept += KEEP_GLOBAL_BATCH  # on fewer nodes too: the checkpoint's global batch (batchplan.py)
+        kept += [
+            "--set",
+            KEEP_GLOBAL_BATCH,
+        ]  # on fewer nodes too: the checkpoint's global batch (batchplan.py)
     return ["run", *unmask(job_id, kept), *extra, *rest]
 
 

@@ -28,6 +28,7 @@ DEFAULT_REMOTE_VENV = "/opt/ddp-train/venv"  # the pytorch role's default ddp_ve
 NPROC_WORDS = ("gpu", "cpu", "auto")
 MODES = ("strict", "warn", "off")  # ddp_script_check, ddp_gpu_health
 RDMA_MODES = ("auto", "on", "off")  # ddp_rdma
+NODE_LOSS_MODES = ("stop", "restart")  # ddp_on_node_loss
 SSH_CONNECTIONS = (
     "ssh",
     "smart",
@@ -85,6 +86,10 @@ class Node:
     forks: int | None = None  # ddp_forks: the default of --forks
     rdma: str = "auto"  # ddp_rdma: auto | on | off (launch/preflight/rdma.py; --rdma wins)
     gpu_idle_warn: float = 20.0  # ddp_gpu_idle_warn: `status` flags a node below it (mean GPU %) as starving
+    # a lost node: stop the job, or restart it on the others (plan.Recovery, launch/run/nodeloss.py)
+    on_node_loss: str = "stop"  # ddp_on_node_loss: stop | restart
+    max_node_losses: int = 2  # ddp_max_node_losses: nodes a job may lose in all before it gives up
+    min_nodes: int | None = None  # ddp_min_nodes: fewest nodes to go on with [the job's minus max losses]
     # --detach's monitor on the cluster (launch/jobs/clustermon.py): its host, its state directory there,
     # the cluster-internal key and known_hosts it reaches the nodes with (roles/cluster_monitor)
     monitor_host: str | None = None  # ddp_monitor_host [the master node]
@@ -365,6 +370,9 @@ def _node(loader: Any, variables: Any, host: Any, extra: Mapping[str, Any], wher
         forks=_forks(v),
         rdma=_rdma(v),
         gpu_idle_warn=_percent(v, "ddp_gpu_idle_warn", 20.0),
+        on_node_loss=_mode(v, "ddp_on_node_loss", "stop", NODE_LOSS_MODES),
+        max_node_losses=_count(v, "ddp_max_node_losses", 2, least=0),
+        min_nodes=_count(v, "ddp_min_nodes", None, least=1),
         monitor_host=v.text("ddp_monitor_host"),
         monitor_dir=v.text("ddp_monitor_dir", default=".ddp-train/jobs") or ".ddp-train/jobs",
         cluster_key=v.text("ddp_cluster_key", default="~/.ssh/ddp_cluster_ed25519") or "",
@@ -398,13 +406,22 @@ def _forks(v: _Vars) -> int | None:
     return int(str(value))
 
 
-def _mode(v: _Vars, key: str, default: str) -> str:
+def _mode(v: _Vars, key: str, default: str, modes: Sequence[str] = MODES) -> str:
     value = v.get(key, default=default)
-    if value is False:  # YAML 1.1 reads an unquoted `off` as false
+    if value is False and "off" in modes:  # YAML 1.1 reads an unquoted `off` as false
         return "off"
-    if not isinstance(value, str) or value not in MODES:
-        raise v.error(key, f"{short(value)} is not one of {', '.join(MODES)}")
+    if not isinstance(value, str) or value not in modes:
+        raise v.error(key, f"{short(value)} is not one of {', '.join(modes)}")
     return value
+
+
+def _count(v: _Vars, key: str, default: int | None, least: int) -> int | None:
+    value = v.get(key, default=default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not str(value).isdigit() or int(str(value)) < least:
+        raise v.error(key, f"{short(value)} is not a whole number of at least {least}")
+    return int(str(value))
 
 
 def _flag(v: _Vars, key: str) -> bool:

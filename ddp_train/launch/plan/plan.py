@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ddp_train.launch.errors import LaunchError
-from ddp_train.launch.plan.inventory import Node
+from ddp_train.launch.plan.inventory import NODE_LOSS_MODES, Node
 from ddp_train.launch.plan.scriptcheck import ScriptCheck
 from ddp_train.launch.remote.sync import Manifest, remote_dir
 
@@ -56,6 +56,21 @@ CONFIG_DIR = ".ddp-launch"  # per-job copies of --config on remote nodes, under 
 # workers (TORCH_ELASTIC_SHUTDOWN_TIMEOUT), so that the launcher, not torchrun, decides when to KILL.
 STOP_GRACE_MAX_S = 600
 ARGV_ENV = ("DDP_JOB_ID",)  # on the command line: how teardown finds the job's processes; no secret
+FRESH = "checkpoint.resume=never"  # what --fresh means to the packaged trainer (checkpoint.py refuses)
+# A resume on another node set keeps the checkpoint's global batch (ddp_train/batchplan.py): `restart` and
+# an unattended restart after a lost node add it for the packaged trainer unless the command sets one.
+KEEP_GLOBAL_BATCH = "train.global_batch=auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class Recovery:
+    """What happens when a node is lost (launch/run/nodeloss.py): `stop` the job, as always, or `restart`
+    it on the other nodes, at most `max_losses` times in all and never on fewer than `min_nodes`.
+    ddp_on_node_loss, ddp_max_node_losses, ddp_min_nodes; --on-node-loss, --max-node-losses, --min-nodes."""
+
+    mode: str = "stop"
+    max_losses: int = 2
+    min_nodes: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +97,10 @@ class Options:
     required: Sequence[str] = ()  # files the run needs on every node (relative: to the run's directory)
     script_check: ScriptCheck | None = None  # what the script check found (None: not checked)
     script_check_mode: str = "warn"  # strict: findings refuse the launch
+    on_node_loss: str | None = None  # --on-node-loss (None: ddp_on_node_loss)
+    max_node_losses: int | None = None  # --max-node-losses (None: ddp_max_node_losses)
+    min_nodes: int | None = None  # --min-nodes (None: ddp_min_nodes, else nodes - max losses, at least 1)
+    attempt: int = 1  # an unattended restart's attempt: c10d's --rdzv-id differs per attempt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +155,8 @@ class JobPlan:
     script_check_mode: str = "warn"
     # no ddp_master_addr: preflight replaces master_addr by the master's address in ddp_network_cidr
     master_derived: bool = False
+    recovery: Recovery = Recovery()
+    options: Options | None = None  # what it was built from: `replan` builds the next attempt from them
 
     @property
     def master(self) -> NodePlan:
@@ -217,7 +238,9 @@ def build_plan(nodes: Sequence[Node], options: Options) -> JobPlan:
     if rdzv == "static":
         rdzv_args = [["--master-addr", addr, "--master-port", str(port)]] * len(ordered)
     else:
-        ordered, rdzv_args = _c10d_order(ordered, addr, port, job_id, all_local)
+        # an attempt's own rendezvous: an agent of the attempt before it can never join this one
+        rdzv_id = job_id if options.attempt == 1 else f"{job_id}.a{options.attempt}"
+        ordered, rdzv_args = _c10d_order(ordered, addr, port, rdzv_id, all_local)
     plans = tuple(
         _node_plan(node, rank, len(ordered), rdzv_args[rank], job_id, options, rdzv == "static")
         for rank, node in enumerate(ordered)
@@ -226,11 +249,69 @@ def build_plan(nodes: Sequence[Node], options: Options) -> JobPlan:
                    master_name=master.name, rdzv=rdzv, script=options.script, module=options.module,
                    script_local=options.script_local, sync=options.sync,
                    required=tuple(options.required), script_check=options.script_check,
-                   script_check_mode=options.script_check_mode, master_derived=derived)  # fmt: skip
+                   script_check_mode=options.script_check_mode, master_derived=derived,
+                   recovery=recovery(ordered, options),
+                   options=dataclasses.replace(options, job_id=job_id, script_check=None))  # fmt: skip
+
+
+def recovery(nodes: Sequence[Node], options: Options) -> Recovery:
+    """The job's node-loss policy: the command line's, else the inventory's (one value on every node)."""
+    mode = options.on_node_loss or same(nodes, "ddp_on_node_loss", lambda n: n.on_node_loss)
+    if mode not in NODE_LOSS_MODES:
+        raise LaunchError(f"--on-node-loss {mode!r}: {' or '.join(NODE_LOSS_MODES)}")
+    losses = options.max_node_losses
+    if losses is None:
+        losses = same(nodes, "ddp_max_node_losses", lambda n: n.max_node_losses)
+    if losses < 0:
+        raise LaunchError(f"--max-node-losses {losses}: 0 or more")
+    least = options.min_nodes
+    if least is None:
+        least = same(nodes, "ddp_min_nodes", lambda n: n.min_nodes)
+    if least is None:
+        least = max(1, len(nodes) - losses)
+    elif not 1 <= least <= len(nodes):
+        raise LaunchError(f"ddp_min_nodes (or --min-nodes) {least}: from 1 to the job's {len(nodes)} node(s)")
+    return Recovery(mode, losses, least)
+
+
+def replan(plan: JobPlan, lost: Sequence[str], config: str | None) -> JobPlan:
+    """The next attempt of `plan` without the `lost` nodes (an unattended restart, nodeloss.py): the same
+    job id, nodes, options and policy; the first remaining node in rank order is the master unless
+    ddp_master names another; --fresh dropped (the next attempt resumes) and, for the packaged trainer,
+    the checkpoint's global batch kept. Already synced (sync=None: the nodes keep their copy). LaunchError
+    when the inventory pins the master to a lost node."""
+    assert plan.options is not None
+    remaining = [p.node for p in plan.nodes if p.node.name not in lost]
+    if plan.master_name in lost and not plan.master_derived:
+        pinned = remaining[0].master_addr if remaining else None
+        if pinned and (pinned == plan.master_addr or _resolves_to(pinned, plan.master_addr)):
+            raise LaunchError(
+                f"ddp_master_addr {pinned} is the address of {plan.master_name}, the lost master; delete "
+                "it (MASTER_ADDR then moves to the next node's address in ddp_network_cidr) so that a "
+                "restart can move it"
+            )
+    old = plan.options
+    overrides = [o for o in old.overrides if o != FRESH]
+    if not old.script and not any(o.startswith("train.global_batch=") for o in overrides):
+        overrides.append(KEEP_GLOBAL_BATCH)
+    options = dataclasses.replace(
+        old, overrides=tuple(overrides), config=config, attempt=old.attempt + 1,
+        on_node_loss=plan.recovery.mode, max_node_losses=plan.recovery.max_losses,
+        min_nodes=plan.recovery.min_nodes,
+    )  # fmt: skip
+    new = build_plan(remaining, options)
+    return dataclasses.replace(new, sync=None, recovery=plan.recovery)
+
+
+def _resolves_to(name: str, addr: str) -> bool:
+    try:
+        return resolve(name) == addr
+    except LaunchError:
+        return False
 
 
 def _c10d_order(
-    nodes: list[Node], addr: str, port: int, job_id: str, all_local: bool
+    nodes: list[Node], addr: str, port: int, rdzv_id: str, all_local: bool
 ) -> tuple[list[Node], list[list[str]]]:
     """c10d rendezvous: torchrun numbers the nodes by sorting their --local-addr as text.
 
@@ -249,7 +330,7 @@ def _c10d_order(
         raise LaunchError(f"two nodes share an address ({local_addrs}); c10d rendezvous needs one per node")
     ordered = sorted(nodes, key=lambda n: local_addrs[n.name])
     endpoint = f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
-    common = ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job_id]
+    common = ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id]
     return ordered, [[*common, "--local-addr", local_addrs[n.name]] for n in ordered]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from collections.abc import Sequence
 
 from ddp_train import exitcodes
@@ -34,6 +35,27 @@ class Ending:
 
 
 @dataclasses.dataclass(frozen=True)
+class Loss:
+    """A node that ended the job by itself: the root cause of a failure, the stall watchdog's suspect, or a
+    node that could not be reached when the job started (what an unattended restart leaves out)."""
+
+    host: str
+    reason: str  # one line
+    at: float  # when (time.time())
+    code: int | None = None  # its exit code, if it exited
+
+    @property
+    def job_error(self) -> bool:
+        """Its ranks refused the job itself (exit 2: config, data, checkpoint; 3: ranks differ): every
+        node would do the same, so it is no node loss."""
+        return self.code in (exitcodes.BAD_INPUT, exitcodes.RANKS_DIFFER)
+
+    def record(self, attempt: int) -> dict[str, object]:
+        """Its entry in job.json's "lost"."""
+        return {"host": self.host, "reason": self.reason, "at": round(self.at, 3), "attempt": attempt}
+
+
+@dataclasses.dataclass(frozen=True)
 class JobResult:
     code: int
     reason: str
@@ -41,6 +63,11 @@ class JobResult:
     first_failure: str | None
     leftovers: dict[str, list[str]]
     elapsed_s: float
+    lost: tuple[Loss, ...] = ()  # the nodes that ended it by themselves (launch/run/nodeloss.py)
+    # rank 0's progress as its lines said: the step it resumed from, its last step, when its first step came
+    resumed_step: int | None = None
+    last_step: int | None = None
+    first_step_at: float | None = None
 
 
 def describe_end(r: NodeRun, log: JobLog) -> str:
@@ -154,4 +181,18 @@ def summarize(
         },
     )
     code = exitcodes.NODE_FAILED if leftovers and end.code == 0 else end.code
-    return JobResult(code, end.reason, all_clean, first_failure, leftovers, elapsed)
+    return JobResult(code, end.reason, all_clean, first_failure, leftovers, elapsed, lost(runs, end, log))
+
+
+def lost(runs: Sequence[NodeRun], end: Ending, log: JobLog) -> tuple[Loss, ...]:
+    """The nodes that ended the job by themselves: a failure's root cause, a stall's suspect, the nodes
+    that could not be reached at the start; none after a success, a stop or --timeout."""
+    now, mono = time.time(), time.monotonic()
+    cause = end.cause
+    if end.code not in (exitcodes.NODE_FAILED, exitcodes.STALLED):
+        return ()
+    if cause is None:  # the start: every node that could not be reached (nothing was started)
+        return tuple(Loss(r.name, one_line(r.error, 200), now) for r in runs if r.error)
+    at = now - (mono - cause.ended) if cause.ended is not None else now
+    why = "stalled: the stall watchdog named it" if end.stalled else describe_end(cause, log)
+    return (Loss(cause.name, one_line(why, 200), at, cause.code),)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from collections.abc import Iterable
 
 STEP_LINE = re.compile(
@@ -21,6 +22,8 @@ STEP_LINE = re.compile(
 )
 SAVE_LINE = re.compile(r" INFO saved .+\.pt in (\d+(?:\.\d+)?)s")
 STOPPED_LINE = re.compile(r"ddp-train: stopped rank=(\d+) world=(\d+) step=(\d+) signal=(\w+)")
+# rank 0's first line when it continues a checkpoint (checkpoint.resumed_line)
+RESUMED_LINE = re.compile(r"ddp-train\[rank 0\] INFO resumed from .* at step (\d+)")
 # rank 0's last line of a run (meter.StepLog.run_throughput): wall-clock beside compute-only tokens/s
 THROUGHPUT = re.compile(
     r"ddp-train\[rank 0\] INFO throughput: (\d+) steps in (\d+(?:\.\d+)?)s wall: (\d+) tok/s wall-clock, "
@@ -84,18 +87,27 @@ def parse_throughput(lines: list[str]) -> dict[str, float] | None:
 @dataclasses.dataclass
 class StepTimes:
     """The longest checkpoint save and step the trainer reported: they size a stop's grace and the stall
-    watchdog's timeout."""
+    watchdog's timeout. Also the run's progress for job.json's attempts: the step it resumed from, its
+    last step, and when (time.time()) its first step line came."""
 
     longest_save: float = 0.0  # seconds
     longest_step: float = 0.0
+    resumed_step: int | None = None
+    last_step: int | None = None
+    first_step_at: float | None = None
 
     def feed(self, line: str) -> Step | None:
         """Take one output line; its step, if it is a step line."""
         step = parse_step(line)
         if step is not None:
             self.longest_step = max(self.longest_step, step.step_time_s)
+            self.last_step = max(self.last_step or 0, step.step)
+            if self.first_step_at is None:
+                self.first_step_at = time.time()
             return step
         m = SAVE_LINE.search(line)
         if m:
             self.longest_save = max(self.longest_save, float(m.group(1)))
+        elif self.resumed_step is None and (m := RESUMED_LINE.search(line)):
+            self.resumed_step = int(m.group(1))
         return None

@@ -1,0 +1,65 @@
+"""Whether a lost node restarts the job on the others (`ddp_on_node_loss: restart`), decided from how an
+attempt ended. Pure: the pipeline (launch/pipeline.py) asks, logs the lines and relaunches.
+
+A node is lost when it alone ended the attempt: its SSH connection was lost (crash, power, partition:
+SSH heartbeats, launch/run/job.py), its agent exited non-zero on its own, the stall watchdog named it, or
+it could not be reached when an attempt started. A node whose ranks exited 2 (bad input: config, data,
+checkpoint) or 3 (ranks differ) failed for the job's sake, not the node's: every node would fail alike,
+so nothing restarts. A stop (Ctrl-C, SIGTERM, `ddp-launch stop`), --timeout and success never restart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+from ddp_train import exitcodes
+from ddp_train.launch.plan.plan import Recovery
+from ddp_train.launch.run.report import JobResult
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    restart: bool
+    exclude: tuple[str, ...] = ()  # the nodes the next attempt leaves out
+    lines: tuple[str, ...] = ()  # what the log says, one line each
+
+
+def decide(
+    result: JobResult, policy: Recovery, lost_before: Sequence[dict], nodes: Sequence[str], attempt: int
+) -> Decision:
+    """Restart without result.lost, or the lines saying why the job ends here (none for ending as usual)."""
+    if (
+        policy.mode != "restart"
+        or not result.lost
+        or result.code not in (exitcodes.NODE_FAILED, exitcodes.STALLED)
+    ):
+        return Decision(False)
+    own = [x for x in result.lost if x.job_error]
+    if own:
+        x = own[0]
+        return Decision(False, lines=(
+            f"not restarting: {x.host}'s ranks ended with exit {x.code} ({x.reason}), which every node "
+            "would repeat (ddp_on_node_loss restarts after a lost node, not after a bad config or data)",
+        ))  # fmt: skip
+    new = [x for x in result.lost if x.host in nodes]
+    every = [*(_line(d) for d in lost_before), *(_line(dict(x.record(attempt))) for x in new)]
+    count = len(lost_before) + len(new)
+    left = len(nodes) - len(new)
+    if count > policy.max_losses:
+        why = f"giving up: {count} node(s) lost, more than ddp_max_node_losses {policy.max_losses}"
+        return Decision(False, lines=(*every, why))
+    if left < policy.min_nodes:
+        why = f"giving up: {left} node(s) left, fewer than ddp_min_nodes {policy.min_nodes}"
+        return Decision(False, lines=(*every, why))
+    names = ", ".join(x.host for x in new)
+    return Decision(True, exclude=tuple(x.host for x in new), lines=(
+        f"{names} lost ({'; '.join(x.reason for x in new)}); excluded; restarting on {left} node(s) as "
+        f"attempt {attempt + 1} of the job ({count} of ddp_max_node_losses {policy.max_losses} used)",
+    ))  # fmt: skip
+
+
+def _line(d: dict) -> str:
+    at = time.strftime("%H:%M:%S", time.localtime(d.get("at") or 0))
+    return f"lost {d.get('host')} at {at} (attempt {d.get('attempt')}): {d.get('reason')}"
