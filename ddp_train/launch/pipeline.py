@@ -132,8 +132,8 @@ def _attempts(cfg: LaunchConfig, plan: JobPlan, nodes: Backend, log: JobLog, sta
         decision = decide(result, plan.recovery, lost, names, n)
         if plan.recovery.mode == "restart":
             attempts.append(_attempt_record(n, plan, started, result))
-            lost += [x.record(n) for x in result.lost if x.host in decision.exclude]
-            jobstate.update_state(state, attempt=n, attempts=attempts, lost=lost,
+            lost += [x.record(n) for x in result.lost if not x.job_error]
+            jobstate.update_state(state, attempt=n + decision.restart, attempts=attempts, lost=lost,
                                   policy=dataclasses.asdict(plan.recovery))  # fmt: skip
         for line in decision.lines:
             log.note(line)
@@ -151,6 +151,7 @@ def _attempts(cfg: LaunchConfig, plan: JobPlan, nodes: Backend, log: JobLog, sta
                 return 128 + trap.first
         jobstate.update_state(state, master=plan.master_name, master_addr=plan.master_addr,
                               nodes=_nodes(plan))  # fmt: skip
+        log.next_attempt()
 
 
 def _attempt_record(n: int, plan: JobPlan, started: float, result: JobResult) -> dict[str, Any]:

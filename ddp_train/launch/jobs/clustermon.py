@@ -387,6 +387,9 @@ def remote_start(job_id: str, log_dir: str) -> int:
     job_dir = jobstate.private_dir(Path(log_dir).expanduser().resolve() / job_id)
     path = job_dir / REQUEST_FILE
     jobstate.write_private(path, request)
+    # this host's own record too: here (a phone's SSH session), `ddp-launch status JOB` finds the job
+    # from any directory, with nothing but the venv
+    save_record(job_id, None, str(job_dir.parent))
     argv = [sys.executable, "-m", "ddp_train.launch.cli", MONITOR_REQUEST, str(path)]
     how = supervisor()
     return start_monitor(argv, job_id, job_dir, where=f"on {os.uname().nodename} under {how}", supervisor=how)

@@ -167,6 +167,15 @@ class JobLog:
         with self._lock:
             return list(self._tail.get(host, []))
 
+    def next_attempt(self) -> None:
+        """A new attempt of the job (launch/run/nodeloss.py) starts: what each host said before is no
+        longer its first error or its hidden traceback (its log file keeps every attempt's lines)."""
+        with self._lock:
+            self._tail.clear()
+            self._in_traceback.clear()
+            self._in_frame.clear()
+            self.hidden.clear()
+
     def note(self, text: str, console: bool = True) -> None:
         """A launcher message."""
         text = mask_text(text, self.secrets)
