@@ -3,7 +3,9 @@
 job.json holds the job id, the pid of the launcher or detached monitor running it (with its start
 time and the boot id: a pid reused by another process is never taken for it), its state
 (starting, running, stopping, then finished with an exit code), the nodes (host, rank, address), the
-master address and port, the start time, the working directory and the command. A job whose state is
+master address and port, the start time, the working directory and the command; with
+`ddp_on_node_loss: restart` also its attempts (nodes, master, steps, how each ended), the nodes it lost
+(when, why, in which attempt) and the policy, while it is "restarting" between two. A job whose state is
 not final while its pid is gone is reported "lost" (the monitor was killed; the nodes stop themselves,
 see launch/run/lifeline.py). Two jobs on the same node and port are refused by `conflict`.
 """
