@@ -1,10 +1,12 @@
 """ddp_on_node_loss: restart, in pure parts: the policy from the inventory and the command line, the next
 attempt's plan (`replan`), whether an attempt's end restarts the job (`nodeloss.decide`), the lost node
-an attempt's end names (`report.lost`), and what `status` shows of the attempts."""
+an attempt's end names (`report.lost`), what `status` shows of the attempts, and the metrics kept across
+them."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import pytest
 from ddp_train import exitcodes
 from ddp_train.launch.errors import LaunchError
 from ddp_train.launch.jobs.jobcmds import recovery_lines
+from ddp_train.launch.jobs.metricsview import merged
 from ddp_train.launch.plan.plan import FRESH, KEEP_GLOBAL_BATCH, Options, Recovery, build_plan, replan
 from ddp_train.launch.run.logs import JobLog
 from ddp_train.launch.run.nodeloss import decide
@@ -171,3 +174,13 @@ def test_status_shows_the_attempts_the_lost_nodes_and_what_each_loss_cost() -> N
         "2 of ddp_max_node_losses 2 used; now on 2 node(s); a lost node is not re-added"
     )
     assert recovery_lines({"job_id": "j", "attempts": [data["attempts"][0]], "lost": []}) == []
+
+
+def test_after_a_lost_master_the_metrics_keep_the_earlier_attempts_records_in_front() -> None:
+    rec = lambda s: json.dumps({"step": s, "loss": 1.0 / s}).encode() + b"\n"  # noqa: E731
+    earlier = rec(1) + rec(2) + rec(3) + b'{"step": 4, "los'  # attempt 1's copy, cut mid-line
+    own_disk = rec(3) + rec(4)  # the new rank 0 resumed from step 2: its file starts at step 3
+    assert merged(earlier, own_disk) == rec(1) + rec(2) + rec(3) + rec(4)
+    shared = rec(1) + rec(2) + rec(3) + rec(4)  # a shared run dir: the file holds every step
+    assert merged(earlier, shared) == shared
+    assert merged(earlier, b"") == earlier and merged(b"", own_disk) == own_disk

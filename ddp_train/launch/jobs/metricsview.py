@@ -56,8 +56,10 @@ def metrics_location(plan: Any, config: str | None, overrides: Any) -> dict[str,
 class Fetcher:
     """Copies rank 0's metrics into logs/<job>/metrics.jsonl now and then, and once at the end."""
 
-    def __init__(self, where: dict[str, Any], node: Any, dest: Path, connect_timeout: float = 10) -> None:
+    def __init__(self, where: dict[str, Any], node: Any, dest: Path, connect_timeout: float = 10,
+                 earlier: bytes = b"") -> None:  # fmt: skip
         self.where, self.node, self.dest, self.connect_timeout = where, node, dest, connect_timeout
+        self.earlier = earlier  # an earlier attempt's copy, whose rank 0 may be gone (launch/run/nodeloss.py)
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="metrics", daemon=True)
         self.session: Any = None
@@ -75,7 +77,7 @@ class Fetcher:
                 src = Path(self.where["path"]).expanduser()
                 if not src.is_file():
                     return False
-                write_private(self.dest, src.read_bytes())
+                write_private(self.dest, merged(self.earlier, src.read_bytes()))
                 return True
             from ddp_train.launch.remote.remote import open_session
 
@@ -86,7 +88,7 @@ class Fetcher:
             return False
         if code != 0 or not out:
             return False
-        write_private(self.dest, (out if out.endswith("\n") else out + "\n").encode())
+        write_private(self.dest, merged(self.earlier, (out if out.endswith("\n") else out + "\n").encode()))
         return True
 
     def stop(self) -> None:
@@ -97,15 +99,44 @@ class Fetcher:
             self.session.close()
 
 
+def merged(earlier: bytes, new: bytes) -> bytes:
+    """An earlier attempt's records before the first step of the new rank 0's file, then that file: after a
+    lost master the new one's file starts where it resumed (its own disk) or holds them all (shared)."""
+    steps = [r["step"] for r in _records(new)]
+    if not steps:
+        return earlier + new
+    keep = [line for line, r in zip(earlier.splitlines(keepends=True), _records(earlier, keep_bad=True))
+            if r is not None and r["step"] < min(steps)]  # fmt: skip
+    return b"".join(keep) + new
+
+
+def _records(data: bytes, keep_bad: bool = False) -> list[Any]:
+    out: list[Any] = []
+    for line in data.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            out.append(rec)
+        elif keep_bad:
+            out.append(None)
+    return out
+
+
 def start(plan: Any, config: str | None, overrides: Any, job_dir: Path, connect_timeout: float) -> Any:
-    """The monitor's fetcher of rank 0's metrics (None for a user script); job.json records where."""
+    """The monitor's fetcher of rank 0's metrics (None for a user script); job.json records where. A later
+    attempt's fetcher keeps the earlier attempts' records in front of the new rank 0's."""
     where = metrics_location(plan, config, overrides)
     if where is None:
         return None
     from ddp_train.launch.jobs import jobstate
 
     jobstate.update_state(job_dir / jobstate.STATE_FILE, metrics=where)
-    fetcher = Fetcher(where, rank0(plan).node, job_dir / "metrics.jsonl", connect_timeout)
+    dest = job_dir / "metrics.jsonl"
+    later = plan.options is not None and plan.options.attempt > 1
+    earlier = dest.read_bytes() if later and dest.exists() else b""
+    fetcher = Fetcher(where, rank0(plan).node, dest, connect_timeout, earlier)
     fetcher.start()
     return fetcher
 
