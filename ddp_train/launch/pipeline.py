@@ -112,14 +112,17 @@ def _attempts(cfg: LaunchConfig, plan: JobPlan, nodes: Backend, log: JobLog, sta
 
     attempts: list[dict[str, Any]] = []
     lost: list[dict[str, Any]] = []
+
+    def on_plan(p: JobPlan) -> None:  # netif re-ranks under c10d (torchrun orders by --local-addr)
+        jobstate.update_state(state, nodes=_nodes(p))
+
+    try:
+        plan = nodes.prepare(plan, on_plan)
+    except Refused as e:
+        return e.code
+    if plan.config:
+        jobstate.write_private(log.dir / Path(plan.config).name, Path(plan.config).read_bytes())
     while True:
-        try:
-            # netif re-ranks under c10d (torchrun orders nodes by --local-addr): status reads rank 0
-            plan = nodes.prepare(plan, lambda p: jobstate.update_state(state, nodes=_nodes(p)))
-        except Refused as e:
-            return e.code
-        if plan.config and not attempts:
-            jobstate.write_private(log.dir / Path(plan.config).name, Path(plan.config).read_bytes())
         fetcher = metricsview.start(plan, plan.config, cfg.overrides, log.dir, cfg.connect_timeout)
         started = time.time()
         result = nodes.run(plan, lambda s: jobstate.update_state(state, state=s))
@@ -128,8 +131,7 @@ def _attempts(cfg: LaunchConfig, plan: JobPlan, nodes: Backend, log: JobLog, sta
         if shown:
             log.note(shown)
         n = len(attempts) + 1
-        names = [p.node.name for p in plan.nodes]
-        decision = decide(result, plan.recovery, lost, names, n)
+        decision = decide(result, plan.recovery, lost, [p.node.name for p in plan.nodes], n)
         if plan.recovery.mode == "restart":
             attempts.append(_attempt_record(n, plan, started, result))
             lost += [x.record(n) for x in result.lost if not x.job_error]
@@ -139,19 +141,27 @@ def _attempts(cfg: LaunchConfig, plan: JobPlan, nodes: Backend, log: JobLog, sta
             log.note(line)
         if not decision.restart:
             return result.code
-        with SignalTrap((signal.SIGINT, signal.SIGTERM)) as trap:  # a stop while restarting: none
+        # Ctrl-C, SIGTERM or `ddp-launch stop` between two attempts: the next one is not started
+        with SignalTrap((signal.SIGINT, signal.SIGTERM)) as trap:
             jobstate.update_state(state, state="restarting")
             try:
                 plan = replan(plan, decision.exclude, plan.config)
+                jobstate.update_state(state, master=plan.master_name, master_addr=plan.master_addr,
+                                      nodes=_nodes(plan))  # fmt: skip
+                log.next_attempt()
+                plan = nodes.prepare(plan, on_plan)  # preflight on the remaining nodes
             except LaunchError as e:
                 log.note(f"cannot restart: {e}")
+                jobstate.update_state(state, reason=f"{result.reason}; cannot restart: {e}")
                 return result.code
+            except Refused as e:
+                jobstate.update_state(state, reason=f"{result.reason}; attempt {n + 1} refused before it "
+                                      "started (the lines above say why)")  # fmt: skip
+                return e.code
             if trap.first:
-                log.note(f"{trap.reason()} while restarting: not restarting")
+                log.note(f"{trap.reason()} while restarting: attempt {n + 1} was not started")
+                jobstate.update_state(state, reason=f"{trap.reason()} while restarting")
                 return 128 + trap.first
-        jobstate.update_state(state, master=plan.master_name, master_addr=plan.master_addr,
-                              nodes=_nodes(plan))  # fmt: skip
-        log.next_attempt()
 
 
 def _attempt_record(n: int, plan: JobPlan, started: float, result: JobResult) -> dict[str, Any]:
