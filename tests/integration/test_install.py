@@ -24,8 +24,11 @@ def test_install_puts_the_launcher_and_ansible_on_path(tmp_path: Path) -> None:
     python = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
     env = {k: v for k, v in os.environ.items() if k.startswith(("PIP_", "LANG", "LC_", "SSL_", "REQUESTS_"))}
     real_cache = Path.home() / ".cache" / "pip"  # the wheels already fetched here, not a second download
+    # PIP_COMPILE=false: pip leaves out byte-compiling torch's and Ansible's files (the commands import
+    # the same code; docs/testing.md, like the testbed hosts' installs)
     env |= {"HOME": str(home), "PATH": "/usr/local/bin:/usr/bin:/bin", "DDP_PYTHON": str(python),
-            "PIP_LOG": str(tmp_path / "pip.log"), "PIP_CACHE_DIR": str(real_cache)}  # fmt: skip
+            "PIP_LOG": str(tmp_path / "pip.log"), "PIP_CACHE_DIR": str(real_cache),
+            "PIP_COMPILE": "false"}  # fmt: skip
     bin_dir = home / ".local" / "bin"
     bin_dir.mkdir(parents=True)
     theirs = bin_dir / "ansible-config"  # another install's command of the same name: kept
