@@ -46,12 +46,16 @@ class StallWatch:
         self.times = times  # the longest save, as the job measured it
         self.last_step: int | None = None
         self.last_at: float | None = None
+        self.finishing = False  # the last step is done: the final save, check and exit follow
         self.longest_gap = 0.0
         self.suspect_host: str | None = None
 
     def timeout(self) -> float:
         if self.explicit:
-            return self.explicit
+            # After the last step no step line comes: the final save, the ranks' parameter check and the
+            # loader workers' shutdown take longer than a short --stall-timeout on a loaded machine (a
+            # finished run ended with exit 4); from then on the floor applies too.
+            return max(self.explicit, STALL_FLOOR_S) if self.finishing else self.explicit
         return max(STALL_FLOOR_S, STALL_FACTOR * self.longest_gap + self.times.longest_save)
 
     def feed(self, step: Step) -> None:
@@ -61,6 +65,7 @@ class StallWatch:
             if self.last_at is not None:
                 self.longest_gap = max(self.longest_gap, now - self.last_at)
             self.last_step, self.last_at = step.step, now
+        self.finishing = step.total > 0 and step.step >= step.total
 
     def check(self) -> str | None:
         if self.explicit == 0 or self.last_at is None:
