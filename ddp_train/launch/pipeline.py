@@ -122,34 +122,36 @@ def _attempts(cfg: LaunchConfig, plan: JobPlan, nodes: Backend, log: JobLog, sta
         return e.code
     if plan.config:
         jobstate.write_private(log.dir / Path(plan.config).name, Path(plan.config).read_bytes())
+    restartable = isinstance(nodes, SshBackend)  # Slurm has requeue of its own (docs/slurm.md)
+    # Ctrl-C, SIGTERM (`ddp-launch stop`) or, in the foreground, SIGHUP from the end of an attempt to the
+    # start of the next: the next one is not started
+    stops = (signal.SIGINT, signal.SIGTERM) + (() if cfg.monitor else (signal.SIGHUP,))
     while True:
         fetcher = metricsview.start(plan, plan.config, cfg.overrides, log.dir, cfg.connect_timeout)
         started = time.time()
         result = nodes.run(plan, lambda s: jobstate.update_state(state, state=s))
-        jobstate.update_state(state, reason=result.reason, stopped_cleanly=result.stopped_cleanly)
-        shown = metricsview.finish(fetcher, log.dir)
-        if shown:
-            log.note(shown)
-        n = len(attempts) + 1
-        decision = decide(result, plan.recovery, lost, [p.node.name for p in plan.nodes], n)
-        if plan.recovery.mode == "restart":
+        with SignalTrap(stops) as trap:
+            jobstate.update_state(state, reason=result.reason, stopped_cleanly=result.stopped_cleanly)
+            shown = metricsview.finish(fetcher, log.dir)
+            if shown:
+                log.note(shown)
+            if not (restartable and plan.recovery.mode == "restart"):
+                return result.code
+            n = len(attempts) + 1
+            decision = decide(result, plan.recovery, lost, [p.node.name for p in plan.nodes], n)
             attempts.append(_attempt_record(n, plan, started, result))
             lost += [x.record(n) for x in result.lost if not x.job_error]
-            jobstate.update_state(state, attempt=n + decision.restart, attempts=attempts, lost=lost,
+            jobstate.update_state(state, attempt=n, attempts=attempts, lost=lost,
                                   policy=dataclasses.asdict(plan.recovery))  # fmt: skip
-        for line in decision.lines:
-            log.note(line)
-        if not decision.restart:
-            return result.code
-        # Ctrl-C, SIGTERM or `ddp-launch stop` between two attempts: the next one is not started
-        with SignalTrap((signal.SIGINT, signal.SIGTERM)) as trap:
+            for line in decision.lines:
+                log.note(line)
+            if not decision.restart:
+                return result.code
             jobstate.update_state(state, state="restarting")
             try:
                 plan = replan(plan, decision.exclude, plan.config)
-                jobstate.update_state(state, master=plan.master_name, master_addr=plan.master_addr,
-                                      nodes=_nodes(plan))  # fmt: skip
                 log.next_attempt()
-                plan = nodes.prepare(plan, on_plan)  # preflight on the remaining nodes
+                plan = nodes.prepare(plan, lambda _p: None)  # preflight on the remaining nodes
             except LaunchError as e:
                 log.note(f"cannot restart: {e}")
                 jobstate.update_state(state, reason=f"{result.reason}; cannot restart: {e}")
@@ -162,6 +164,8 @@ def _attempts(cfg: LaunchConfig, plan: JobPlan, nodes: Backend, log: JobLog, sta
                 log.note(f"{trap.reason()} while restarting: attempt {n + 1} was not started")
                 jobstate.update_state(state, reason=f"{trap.reason()} while restarting")
                 return 128 + trap.first
+            jobstate.update_state(state, attempt=n + 1, master=plan.master_name, master_addr=plan.master_addr,
+                                  nodes=_nodes(plan))  # fmt: skip
 
 
 def _attempt_record(n: int, plan: JobPlan, started: float, result: JobResult) -> dict[str, Any]:
@@ -193,6 +197,7 @@ class SshBackend:
         self.cfg, self.log = cfg, log
         self.pool = SessionPool(cfg.connect_timeout)
         self.prepared = cfg.prepared  # the first attempt only: a restart's nodes are prepared here
+        self.deadline: float | None = None  # --timeout: for the job, whatever its attempts
 
     def __enter__(self) -> SshBackend:
         return self
@@ -242,7 +247,8 @@ class SshBackend:
             for line in notes:
                 log.note(f"rdma: {line}")
             on_plan(plan)
-        if not plan.script and (line := _fresh_refusal(plan, cfg, self.pool)):
+        first = plan.options is None or plan.options.attempt == 1  # a later one resumes: no --fresh
+        if first and not plan.script and (line := _fresh_refusal(plan, cfg, self.pool)):
             log.note(line)
             raise Refused(exitcodes.BAD_INPUT)
         if plan.config and not self._ship_config(plan):
@@ -255,12 +261,14 @@ class SshBackend:
         from ddp_train.launch.run.watchdog import StallWatch
 
         cfg, times = self.cfg, StepTimes()
+        if cfg.timeout is not None and self.deadline is None:
+            self.deadline = time.monotonic() + cfg.timeout
         job = Job(
             plan,
             self.log,
             pool=self.pool,
             grace=cfg.grace,
-            timeout=cfg.timeout,
+            timeout=None if self.deadline is None else max(0.0, self.deadline - time.monotonic()),
             on_state=on_state,
             trap=(signal.SIGINT, signal.SIGTERM) + (() if cfg.monitor else (signal.SIGHUP,)),
             watch=StallWatch(plan.job_id, self.log.dir, cfg.stall_timeout, times),

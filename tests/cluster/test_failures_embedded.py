@@ -89,11 +89,12 @@ def test_with_on_node_loss_restart_a_stalled_node_is_left_out_and_the_job_finish
 ) -> None:
     """ddp_on_node_loss: restart, as users train (tests/usershape.py), nobody touching anything: local1's
     rank blocks after step 20, the watchdog names it, and the launcher restarts the job by itself on local0
-    alone as attempt 2 of the same job: it resumes from step 20 with the same global batch (16 x 2 ranks
-    x 1 now 16 x 1 x 2) and finishes; job.json and `status` show both attempts and the lost node."""
+    alone as attempt 2 of the same job: it resumes from step 20 (--fresh was for attempt 1) with the same
+    global batch (16 x 2 ranks x 1 now 16 x 1 x 2) and finishes; job.json and `status` show both attempts
+    and the lost node."""
     train = [*usershape.trainer_args(users_tokens), "--set", f"run.dir={tmp_path / 'runs'}"]
     args = ["--job-id", "fe-heal", "--env", "DDP_DEBUG_STALL=1:20", "--stall-timeout", "15",
-            "--on-node-loss", "restart", "--max-node-losses", "1"]  # fmt: skip
+            "--on-node-loss", "restart", "--max-node-losses", "1", "--fresh"]  # fmt: skip
     proc = start([*args, *train], tmp_path)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from ddp_train.launch.run.logs import JobLog
 from ddp_train.launch.run.nodeloss import decide
 from ddp_train.launch.run.noderun import NodeRun, NodeState
 from ddp_train.launch.run.report import Ending, JobResult, Loss, lost
+from ddp_train.launch.run.trainerlog import Step, StepTimes
+from ddp_train.launch.run.watchdog import STALL_FLOOR_S, StallWatch
 from tests.unit.test_launch_plan import cluster, node
 
 
@@ -184,3 +187,23 @@ def test_after_a_lost_master_the_metrics_keep_the_earlier_attempts_records_in_fr
     shared = rec(1) + rec(2) + rec(3) + rec(4)  # a shared run dir: the file holds every step
     assert merged(earlier, shared) == shared
     assert merged(earlier, b"") == earlier and merged(b"", own_disk) == own_disk
+
+
+def test_a_stop_even_during_the_teardown_or_processes_left_on_a_staying_node_restart_nothing() -> None:
+    stopped = dataclasses.replace(result(exitcodes.NODE_FAILED, crash("n0")), signal=signal.SIGTERM)
+    d = decide(stopped, RESTART, [], NODES, 1)
+    assert not d.restart and d.lines == ("not restarting: stopped by SIGTERM",)
+    leftovers = {"n0": ["unknown: cannot connect"], "n2": ["4242 python"]}
+    left = dataclasses.replace(result(exitcodes.NODE_FAILED, crash("n0")), leftovers=leftovers)
+    d = decide(left, RESTART, [], NODES, 1)
+    assert not d.restart and d.lines[-1].startswith("not restarting: processes of the job remain on n2 ")
+    only_lost = dataclasses.replace(left, leftovers={"n0": ["unknown: cannot connect"]})
+    assert decide(only_lost, RESTART, [], NODES, 1).restart  # the lost node's own: it is left out
+
+
+def test_after_the_last_step_a_short_stall_timeout_waits_for_the_final_save_and_exit(tmp_path: Path) -> None:
+    watch = StallWatch("j", tmp_path, 15.0, StepTimes())
+    watch.feed(Step(0, 29, 30, 1.0, 100.0, 0.1))
+    assert watch.timeout() == 15.0
+    watch.feed(Step(0, 30, 30, 1.0, 100.0, 0.1))  # the last step: the final save, check and exit follow
+    assert watch.timeout() == STALL_FLOOR_S

@@ -267,8 +267,8 @@ def recovery(nodes: Sequence[Node], options: Options) -> Recovery:
     least = options.min_nodes
     if least is None:
         least = same(nodes, "ddp_min_nodes", lambda n: n.min_nodes)
-    if least is None:
-        least = max(1, len(nodes) - losses)
+    if least is None or mode == "stop":  # stop: never used (a --limit below it refuses nothing)
+        least = max(1, len(nodes) - losses) if least is None else least
     elif not 1 <= least <= len(nodes):
         raise LaunchError(f"ddp_min_nodes (or --min-nodes) {least}: from 1 to the job's {len(nodes)} node(s)")
     return Recovery(mode, losses, least)

@@ -14,6 +14,7 @@ and finally checks that no process carrying the job's DDP_JOB_ID is left on any 
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import signal
 import threading
@@ -87,7 +88,9 @@ class Job:
             with self.trap:  # kept through teardown and verification: Ctrl-C never cuts them short
                 end = self._run()
                 leftovers = self.control.leftovers(self.runs) if self.launched else {}
-                return summarize(self.plan, self.log, self.runs, end, leftovers, time.monotonic() - t0)
+                result = summarize(self.plan, self.log, self.runs, end, leftovers, time.monotonic() - t0)
+                # a stop that came during the teardown, the leftover scan or the summary: no restart
+                return dataclasses.replace(result, signal=self.trap.first)
         finally:
             if self.own_pool:
                 self.pool.close()

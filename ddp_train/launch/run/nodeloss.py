@@ -11,6 +11,7 @@ so nothing restarts. A stop (Ctrl-C, SIGTERM, `ddp-launch stop`), --timeout and 
 from __future__ import annotations
 
 import dataclasses
+import signal
 import time
 from collections.abc import Sequence
 
@@ -36,6 +37,8 @@ def decide(
         or result.code not in (exitcodes.NODE_FAILED, exitcodes.STALLED)
     ):
         return Decision(False)
+    if result.signal:
+        return Decision(False, lines=(f"not restarting: stopped by {signal.Signals(result.signal).name}",))
     own = [x for x in result.lost if x.job_error]
     if own:
         x = own[0]
@@ -53,6 +56,11 @@ def decide(
     if left < policy.min_nodes:
         why = f"giving up: {left} node(s) left, fewer than ddp_min_nodes {policy.min_nodes}"
         return Decision(False, lines=(*every, why))
+    staying = [h for h, left in result.leftovers.items() if left and h in nodes and h not in
+               {x.host for x in new}]  # fmt: skip
+    if staying:
+        why = f"processes of the job remain on {', '.join(staying)} (listed above)"
+        return Decision(False, lines=(*every, f"not restarting: {why}; a new attempt would run beside them"))
     names = ", ".join(x.host for x in new)
     return Decision(True, exclude=tuple(x.host for x in new), lines=(
         f"{names} lost ({'; '.join(x.reason for x in new)}); excluded; restarting on {left} node(s) as "

@@ -68,6 +68,7 @@ class JobResult:
     resumed_step: int | None = None
     last_step: int | None = None
     first_step_at: float | None = None
+    signal: int | None = None  # a stop signal (Ctrl-C, SIGTERM, `ddp-launch stop`) the job got, even late
 
 
 def describe_end(r: NodeRun, log: JobLog) -> str:
