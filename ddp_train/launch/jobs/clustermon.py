@@ -47,7 +47,8 @@ PROXIED_ENV = "DDP_LAUNCH_PROXIED"  # set on the job commands clustermon.proxy r
 UNIT_PREFIX = "ddp-job-"  # systemd-run's unit: ddp-job-<job>.service
 POLL_S = 0.3  # how often whoever follows a monitor (detach, logs -f, attach, stop) looks again
 DETACH_WAIT_S = 900.0  # --detach stops showing the start after this; the monitor goes on
-OPTIONS = ("connect_timeout", "net_timeout", "grace", "timeout", "stall_timeout", "overrides", "strict")
+OPTIONS = ("connect_timeout", "net_timeout", "grace", "timeout", "stall_timeout", "overrides", "strict",
+           "skip_preflight")  # fmt: skip
 HERE_WARNING = (
     "ddp-launch: warning: --monitor-here: the job's monitor runs on this machine; if it sleeps, loses its "
     "network or shuts down, every node stops the job within 30 s (lifeline). Without --monitor-here the "
@@ -388,8 +389,9 @@ def remote_start(job_id: str, log_dir: str) -> int:
     path = job_dir / REQUEST_FILE
     jobstate.write_private(path, request)
     # this host's own record too: here (a phone's SSH session), `ddp-launch status JOB` finds the job
-    # from any directory, with nothing but the venv
-    save_record(job_id, None, str(job_dir.parent))
+    # from any directory, with nothing but the venv; not over the controller's (a home both share)
+    if not (load_record(job_id) or {}).get("monitor"):
+        save_record(job_id, None, str(job_dir.parent))
     argv = [sys.executable, "-m", "ddp_train.launch.cli", MONITOR_REQUEST, str(path)]
     how = supervisor()
     return start_monitor(argv, job_id, job_dir, where=f"on {os.uname().nodename} under {how}", supervisor=how)
