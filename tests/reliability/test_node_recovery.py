@@ -30,7 +30,7 @@ from tests.cluster.test_detach_testbed import launch, provision, state, wait_for
 from tests.cluster.test_launch_testbed import kill_job
 from tests.conftest import private_testbed
 from tests.reliability.test_node_loss import crash
-from tests.testbed import Testbed, worker_net, worker_prefix
+from tests.testbed import Host, Testbed, worker_net, worker_prefix
 from tests.usershape import trainer_args
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow]
@@ -81,6 +81,15 @@ def detach(root: Path, inventory: Path, job: str, extra: list[str], env: dict[st
     assert started.returncode == 0 and f"job {job} runs detached" in started.stdout, started.stdout
 
 
+def detach_and_crash(bed: Testbed, root: Path, inventory: Path, job: str, extra: list[str],
+                     env: dict[str, str], master: Host) -> None:  # fmt: skip
+    """`detach` the job, then kill its master whole once its replica of step 10 is on the next node."""
+    detach(root, inventory, job, extra, env)
+    wait_for(f"{master.name}'s replica of step 10",
+             lambda: re.search(saved(master.name, 10), console(root, job)), 240)  # fmt: skip
+    crash(bed, master)
+
+
 def test_a_lost_master_and_a_partitioned_node_are_left_out_and_the_job_finishes(
     bed: Testbed, inv: tuple[Path, Path]
 ) -> None:
@@ -90,9 +99,7 @@ def test_a_lost_master_and_a_partitioned_node_are_left_out_and_the_job_finishes(
     job = "nr-heal"
     link = f"v{bed.prefix}{node2.name[4:]}"  # node2's veth on the bridge side
     try:
-        detach(root, inventory, job, [], env)
-        wait_for("node0's replica of step 10", lambda: re.search(saved("node0", 10), console(root, job)), 240)
-        crash(bed, node0)
+        detach_and_crash(bed, root, inventory, job, [], env, node0)
         wait_for(
             "attempt 2's step-20 replica", lambda: re.search(saved("node1", 20), console(root, job)), 240
         )
@@ -143,9 +150,8 @@ def test_more_losses_than_allowed_stop_the_job_naming_every_lost_node(
     env = dict(os.environ, OMP_NUM_THREADS="1", XDG_STATE_HOME=str(root / "state"))
     job = "nr-giveup"
     try:
-        detach(root, inventory, job, ["--limit", "node1,node2,node3", "--max-node-losses", "1"], env)
-        wait_for("node1's replica of step 10", lambda: re.search(saved("node1", 10), console(root, job)), 240)
-        crash(bed, node1)
+        losses = ["--limit", "node1,node2,node3", "--max-node-losses", "1"]
+        detach_and_crash(bed, root, inventory, job, losses, env, node1)
         wait_for("attempt 2's first step", lambda: (state(root, job).get("attempt") == 2 and
                  re.search(r"\[node2 r0\] .*INFO step \d+/60", console(root, job))), 240)  # fmt: skip
         t0 = time.monotonic()

@@ -210,6 +210,8 @@ def _status(job_dir: Path, data: dict[str, Any]) -> int:
 def recovery_lines(data: dict[str, Any]) -> list[str]:
     """A job run with ddp_on_node_loss: restart: its attempts, each lost node (when, why, the steps it
     cost, how long until training went on) and the world it runs on now."""
+    from ddp_train.launch.run.nodeloss import lost_line
+
     attempts, lost = data.get("attempts") or [], data.get("lost") or []
     if len(attempts) < 2 and not lost:
         return []
@@ -224,8 +226,7 @@ def recovery_lines(data: dict[str, Any]) -> list[str]:
     for x in lost:
         after = next((a for a in attempts if a.get("n") == (x.get("attempt") or 0) + 1), None)
         before = next((a for a in attempts if a.get("n") == x.get("attempt")), None)
-        at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(x.get("at") or 0))
-        line = f"lost {x.get('host')} at {at} (attempt {x.get('attempt')}): {x.get('reason')}"
+        line = lost_line(x, "%Y-%m-%d %H:%M:%S")
         if after and before and after.get("resumed_step") is not None and before.get("last_step"):
             line += f"; steps lost: {max(0, before['last_step'] - after['resumed_step'])}"
         if after and after.get("first_step_at") and x.get("at"):

@@ -111,11 +111,13 @@ def merged(earlier: bytes, new: bytes) -> bytes:
 
 
 def _records(data: bytes, keep_bad: bool = False) -> list[Any]:
+    """Each line's record (a dict with an int "step"); with keep_bad, None for any other line (a line
+    being written), so that the list follows the lines."""
     out: list[Any] = []
     for line in data.splitlines():
         try:
             rec = json.loads(line)
-        except ValueError:
+        except ValueError:  # a line being written, or not UTF-8
             rec = None
         if isinstance(rec, dict) and isinstance(rec.get("step"), int):
             out.append(rec)
@@ -155,19 +157,10 @@ def finish(fetcher: Any, job_dir: Path) -> str | None:
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
-    records = []
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        return [r for r in _records(path.read_bytes()) if r is not None]
     except OSError:
         return []
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # a line being written
-        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
-            records.append(rec)
-    return records
 
 
 def render_png(records: list[dict[str, Any]], png: Path) -> str:

@@ -117,15 +117,12 @@ def restart_argv(job_id: str, data: dict[str, Any], extra: list[str]) -> list[st
         i += 1
     if "--monitor" in options:  # a detached job's monitor recorded it: detached again
         kept.append("--detach")
-    from ddp_train.launch.plan.plan import KEEP_GLOBAL_BATCH
+    from ddp_train.launch.plan.plan import global_batch_kept
     from ddp_train.launch.runargs import split_rest
 
     split_rest(opts)  # opts.script: None for the packaged trainer
-    if opts.script is None and not any(o.startswith("train.global_batch=") for o in opts.overrides):
-        kept += [
-            "--set",
-            KEEP_GLOBAL_BATCH,
-        ]  # on fewer nodes too: the checkpoint's global batch (batchplan.py)
+    if opts.script is None:  # on fewer nodes too: the checkpoint's global batch (batchplan.py)
+        kept += [a for o in global_batch_kept(opts.overrides) for a in ("--set", o)]
     return ["run", *unmask(job_id, kept), *extra, *rest]
 
 

@@ -62,6 +62,12 @@ FRESH = "checkpoint.resume=never"  # what --fresh means to the packaged trainer 
 KEEP_GLOBAL_BATCH = "train.global_batch=auto"
 
 
+def global_batch_kept(overrides: Sequence[str]) -> list[str]:
+    """The --set a resume on another node set adds for the packaged trainer: KEEP_GLOBAL_BATCH, or
+    nothing when the command sets train.global_batch itself."""
+    return [] if any(o.startswith("train.global_batch=") for o in overrides) else [KEEP_GLOBAL_BATCH]
+
+
 @dataclasses.dataclass(frozen=True)
 class Recovery:
     """What happens when a node is lost (launch/run/nodeloss.py): `stop` the job, as always, or `restart`
@@ -292,8 +298,8 @@ def replan(plan: JobPlan, lost: Sequence[str], config: str | None) -> JobPlan:
             )
     old = plan.options
     overrides = [o for o in old.overrides if o != FRESH]
-    if not old.script and not any(o.startswith("train.global_batch=") for o in overrides):
-        overrides.append(KEEP_GLOBAL_BATCH)
+    if not old.script:
+        overrides += global_batch_kept(overrides)
     options = dataclasses.replace(
         old, overrides=tuple(overrides), config=config, attempt=old.attempt + 1,
         on_node_loss=plan.recovery.mode, max_node_losses=plan.recovery.max_losses,

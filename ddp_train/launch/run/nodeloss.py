@@ -47,7 +47,7 @@ def decide(
             "would repeat (ddp_on_node_loss restarts after a lost node, not after a bad config or data)",
         ))  # fmt: skip
     new = [x for x in result.lost if x.host in nodes]
-    every = [*(_line(d) for d in lost_before), *(_line(dict(x.record(attempt))) for x in new)]
+    every = [*(lost_line(d) for d in lost_before), *(lost_line(x.record(attempt)) for x in new)]
     count = len(lost_before) + len(new)
     left = len(nodes) - len(new)
     if count > policy.max_losses:
@@ -56,7 +56,7 @@ def decide(
     if left < policy.min_nodes:
         why = f"giving up: {left} node(s) left, fewer than ddp_min_nodes {policy.min_nodes}"
         return Decision(False, lines=(*every, why))
-    staying = [h for h, left in result.leftovers.items() if left and h in nodes and h not in
+    staying = [h for h, procs in result.leftovers.items() if procs and h in nodes and h not in
                {x.host for x in new}]  # fmt: skip
     if staying:
         why = f"processes of the job remain on {', '.join(staying)} (listed above)"
@@ -68,6 +68,7 @@ def decide(
     ))  # fmt: skip
 
 
-def _line(d: dict) -> str:
-    at = time.strftime("%H:%M:%S", time.localtime(d.get("at") or 0))
+def lost_line(d: dict, when: str = "%H:%M:%S") -> str:
+    """A lost node as the log (and, with the date, `status`) says it: an entry of job.json's "lost"."""
+    at = time.strftime(when, time.localtime(d.get("at") or 0))
     return f"lost {d.get('host')} at {at} (attempt {d.get('attempt')}): {d.get('reason')}"
