@@ -338,8 +338,11 @@ def _job_parsers(sub: Any) -> None:
     for command, description in JOB_COMMANDS.items():
         p = sub.add_parser(command, prog=f"ddp-launch {command}", description=description)
         p.add_argument("--log-dir", default="logs", metavar="DIR", help="where the jobs' logs are [logs]")
+        _monitor_lookup(p)
         if command != "jobs":
             p.add_argument("job", metavar="JOB", help="job id (as `ddp-launch jobs` lists it)")
+        if command == "status":
+            p.add_argument("--json", action="store_true", help="print the job's record (job.json) as it is")
         if command == "logs":
             p.add_argument(
                 "-f", "--follow", action="store_true", help="keep printing new lines until the job ends"
@@ -347,6 +350,21 @@ def _job_parsers(sub: Any) -> None:
             p.add_argument("--node", metavar="HOST", help="that node's log only")
         if command == "stop":
             p.add_argument("--no-wait", action="store_true", help="return once the monitor got the signal")
+
+
+def _monitor_lookup(p: Any) -> None:
+    """A job not known here (no logs/<job>, no record of this machine): asked of the monitor host that the
+    inventory names (ddp_monitor_host, else the master node), over SSH (launch/jobs/clustermon.py)."""
+    p.add_argument(
+        "--hosts",
+        "-i",
+        action="append",
+        metavar="INVENTORY",
+        help="a job this machine has no record of: ask the monitor host this inventory names",
+    )
+    p.add_argument(
+        "--extra-vars", "-e", action="append", default=[], metavar="VARS", help="as ansible-playbook -e"
+    )
 
 
 def _stage_parser(sub: Any) -> None:
@@ -398,6 +416,7 @@ def _fetch_parsers(sub: Any) -> None:
     )
     p.add_argument("--to", default=".", metavar="DIR", help="where the copy goes [.]")
     p.add_argument("--connect-timeout", type=float, default=10, metavar="S", help="SSH connect timeout [10]")
+    _monitor_lookup(p)
     r = sub.add_parser(
         "restart",
         prog="ddp-launch restart",

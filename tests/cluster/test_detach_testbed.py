@@ -154,6 +154,24 @@ def test_the_job_outlives_the_laptop_and_is_found_from_anywhere(bed: Testbed, tm
         listed = launch(["jobs"], other, env, timeout=60)
         assert re.search(rf"^{job}\s+finished \(exit 0\)\s+3\s", listed.stdout, re.M), listed.stdout
 
+        # a second laptop: the inventory, no record of the job; the monitor host is asked through --hosts
+        laptop2 = dict(env, XDG_STATE_HOME=str(tmp_path / "laptop2-state"))
+        unknown = launch(["status", job], other, laptop2, timeout=60)
+        assert unknown.returncode == 2 and "add --hosts INVENTORY" in unknown.stdout, unknown.stdout
+        status2 = launch(["status", job, "--hosts", str(inv)], other, laptop2, timeout=60)
+        assert status2.returncode == 0 and status2.stdout.splitlines()[0] == status.stdout.splitlines()[0], (
+            status2.stdout
+        )
+        assert re.search(r"^node0\s+0\s+60/60\s", status2.stdout, re.M), status2.stdout
+        listed2 = launch(["jobs", "--hosts", str(inv)], other, laptop2, timeout=60)
+        assert re.search(rf"^{job}\s+finished \(exit 0\)\s+3\s", listed2.stdout, re.M), listed2.stdout
+        fetched = launch(["fetch", job, "metrics", "--hosts", str(inv), "--to", str(other / "got")], other,
+                         laptop2, timeout=60)  # fmt: skip
+        assert fetched.returncode == 0, fetched.stdout
+        there = Path(json.loads((tmp_path / "monitor" / job / "job.json").read_text())["metrics"]["path"])
+        there = there if there.is_absolute() else tmp_path / "work" / there  # the nodes share /tmp with us
+        assert (other / "got" / "metrics.jsonl").read_bytes() == there.read_bytes()
+
         started = launch([*base, "--set", "train.max_steps=2000", "--set", "debug.step_delay_s=0.2",
                           "--job-id", long_job], tmp_path, env)  # fmt: skip
         assert started.returncode == 0 and f"job {long_job} runs detached on 3 nodes" in started.stdout, (

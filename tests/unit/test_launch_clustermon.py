@@ -5,6 +5,7 @@ any directory, the supervisor's command, and --monitor-here's warning."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pickle
 import time
@@ -158,3 +159,84 @@ def test_detach_stops_waiting_for_a_start_after_its_deadline(
     assert time.monotonic() - t0 < 30
     out = capsys.readouterr().out
     assert "job j is still starting after 0 s" in out and str(job_dir / jobstate.CONSOLE_FILE) in out
+
+
+def _inventory(tmp_path: Path, all_vars: dict[str, object]) -> str:
+    """n1..n3 in gpu_nodes (SSH), login outside it; all_vars added."""
+    import yaml
+
+    hosts = {f"n{i}": {"ansible_host": f"10.0.0.{i}"} for i in range(1, 4)}
+    login = {"login": {"ansible_host": "10.0.0.9"}}
+    inv = {"all": {"vars": {"ansible_user": "u", **all_vars}, "hosts": login,
+                   "children": {"gpu_nodes": {"hosts": hosts}}}}  # fmt: skip
+    path = tmp_path / "hosts.yml"
+    path.write_text(yaml.safe_dump(inv))
+    return str(path)
+
+
+def test_a_machine_without_the_record_finds_the_monitor_host_through_the_inventory(tmp_path: Path) -> None:
+    """As monitor_node picks it at launch: ddp_monitor_host (any host of the inventory), else ddp_master,
+    else the first node; its ddp_monitor_dir is where the job's record is."""
+    found = clustermon.found_record("j", [_inventory(tmp_path, {})], [])
+    assert found and found["node"].name == "n1" and found["log_dir"] == ".ddp-train/jobs"
+    found = clustermon.found_record("j", [_inventory(tmp_path, {"ddp_master": "n2"})], [])
+    assert found and found["node"].name == "n2"
+    inv = _inventory(tmp_path, {"ddp_monitor_host": "login", "ddp_monitor_dir": "/srv/jobs"})
+    found = clustermon.found_record("j", [inv], [])
+    assert found and (found["node"].name, found["node"].address) == ("login", "10.0.0.9")
+    assert found["log_dir"] == "/srv/jobs"
+    assert clustermon.found_record("j", None, []) is None  # no record here, no inventory
+    with pytest.raises(clustermon.LaunchError, match="ddp_monitor_host 'gone': no such host"):
+        clustermon.found_record("j", [_inventory(tmp_path, {"ddp_monitor_host": "gone"})], [])
+
+
+def test_job_commands_ask_the_inventorys_monitor_host_for_a_job_not_known_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from ddp_train.launch.jobs import fetch
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))  # no record of any job
+    monkeypatch.chdir(tmp_path)
+    inv = _inventory(tmp_path, {"ddp_monitor_host": "login"})
+    asked: list[tuple[str, str, list[str]]] = []
+    job = {"job_id": "j", "state": "finished", "exit_code": 0, "argv": ["--hosts", "elsewhere/inv"],
+           "cwd": "/not/here", "metrics": {"host": "n2", "path": "/w/runs/x/metrics.jsonl"}}  # fmt: skip
+
+    def proxy(record, args, connect_timeout=10, out=None):  # type: ignore[no-untyped-def]
+        asked.append((record["node"].name, record["log_dir"], args))
+        if out is not None:
+            for line in json.dumps(job, indent=1).splitlines():
+                out(line)
+        return 0
+
+    monkeypatch.setattr(clustermon, "proxy", proxy)
+    assert main(["status", "j", "--hosts", inv, "--json"]) == 0
+    assert main(["logs", "j", "-i", inv, "--node", "n2"]) == 0
+    assert main(["jobs", "--hosts", inv]) == 0
+    assert asked == [
+        ("login", ".ddp-train/jobs", ["status", "j", "--json"]),
+        ("login", ".ddp-train/jobs", ["logs", "j", "--node", "n2"]),
+        ("login", ".ddp-train/jobs", ["jobs"]),
+    ]
+    # fetch: job.json from the monitor host, rank 0's node from --hosts (the recorded cwd is not here)
+    data = fetch.load("j", "logs", hosts=[inv], extra_vars=[])
+    assert data == job and asked[-1][2] == ["status", "j", "--json"]
+    with pytest.raises(fetch.LaunchError, match="rank 0's host n7 is not in"):
+        fetch.fetch("j", {**job, "metrics": {"host": "n7", "path": "/w/m"}}, "metrics", str(tmp_path),
+                    hosts=[inv], extra_vars=[])  # fmt: skip
+    with pytest.raises(fetch.LaunchError, match="restart it from the machine that launched it"):
+        fetch.load("j", "logs", command=True, hosts=[inv], extra_vars=[])
+    capsys.readouterr()
+    assert main(["status", "j"]) == 2  # neither here nor --hosts: say how
+    assert "a job detached from another machine: add --hosts INVENTORY" in capsys.readouterr().err
+
+
+def test_status_json_prints_the_record_as_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    data = {"job_id": "j1", "pid": 0, "state": "finished", "exit_code": 0, "started": 1.0, "nodes": [],
+            "argv": ["--env", "TOKEN=***"]}  # fmt: skip
+    jobstate.write_state(jobstate.state_path(tmp_path / "logs", "j1"), data)
+    assert main(["status", "j1", "--log-dir", str(tmp_path / "logs"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == data

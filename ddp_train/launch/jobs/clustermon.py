@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,17 +63,37 @@ HERE_WARNING = (
 def monitor_node(plan: JobPlan, opts: argparse.Namespace) -> Node | None:
     """The host that runs the detached job's monitor: ddp_monitor_host (a node of the job, or any host
     of the inventory, such as a login node), else the master node. None when it is this machine."""
-    from ddp_train.launch.plan.inventory import DEFAULT_INVENTORY, load_nodes
+    from ddp_train.launch.plan.inventory import DEFAULT_INVENTORY
 
     master = plan.master.node
     name = master.monitor_host or master.name
     node = next((p.node for p in plan.nodes if p.node.name == name), None)
     if node is None:
-        found = load_nodes(opts.hosts or [DEFAULT_INVENTORY], group="all", limit=name,
-                           extra_vars=opts.extra_vars)  # fmt: skip
-        node = next((n for n in found if n.name == name), None)
-        if node is None:
-            raise LaunchError(f"ddp_monitor_host {name!r}: no such host in the inventory")
+        node = _host(name, opts.hosts or [DEFAULT_INVENTORY], opts.extra_vars)
+    return None if node.local or node.ssh is None else node
+
+
+def _host(name: str, hosts: list[str], extra_vars: list[str]) -> Node:
+    from ddp_train.launch.plan.inventory import load_nodes
+
+    node = next((n for n in load_nodes(hosts, group="all", extra_vars=extra_vars) if n.name == name), None)
+    if node is None:
+        raise LaunchError(f"ddp_monitor_host {name!r}: no such host in the inventory")
+    return node
+
+
+def inventory_monitor(hosts: list[str], extra_vars: list[str]) -> Node | None:
+    """The monitor host of the jobs this inventory launches, picked as monitor_node picks it at launch:
+    ddp_monitor_host, else the master node (ddp_master, else the first node). None: this machine. For
+    the job commands on a machine with the inventory and no record of the job (a second laptop)."""
+    from ddp_train.launch.plan.inventory import load_nodes
+
+    nodes = load_nodes(hosts, extra_vars=extra_vars)
+    if not nodes:
+        raise LaunchError(f"inventory {', '.join(hosts)}: no nodes")
+    master = next((n for n in nodes if n.name == nodes[0].master), nodes[0])
+    name = master.monitor_host or master.name
+    node = next((n for n in nodes if n.name == name), None) or _host(name, hosts, extra_vars)
     return None if node.local or node.ssh is None else node
 
 
@@ -203,6 +224,18 @@ def remote_records() -> list[dict[str, Any]]:
     return list(seen.values())
 
 
+def found_record(job_id: str | None, hosts: list[str] | None, extra_vars: list[str]) -> dict[str, Any] | None:
+    """Where a job's monitor is: this machine's record of it, else (with `hosts`) the monitor host that
+    inventory names and its ddp_monitor_dir. None: neither (or the inventory's monitor is this machine)."""
+    record = load_record(job_id) if job_id else None
+    if record or not hosts:
+        return record
+    node = inventory_monitor(hosts, extra_vars)
+    if node is None:
+        return None
+    return {"job_id": job_id, "log_dir": node.monitor_dir, "node": node, "monitor": {"name": node.name}}
+
+
 def _record_node(record: dict[str, Any]) -> Node:
     from ddp_train.launch.plan.inventory import Node, SshTarget
 
@@ -214,24 +247,30 @@ def _record_node(record: dict[str, Any]) -> Node:
                 workdir=None, nproc="1", master_port=0, env={})  # fmt: skip
 
 
-def proxy(record: dict[str, Any], args: list[str], connect_timeout: float = 10) -> int:
-    """Run `ddp-launch ARGS --log-dir DIR` on the job's monitor host; its output here, its exit code."""
+def proxy(record: dict[str, Any], args: list[str], connect_timeout: float = 10,
+          out: Callable[[str], None] | None = None) -> int:  # fmt: skip
+    """Run `ddp-launch ARGS --log-dir DIR` on the job's monitor host; its output here (each line to `out`,
+    else printed), its exit code. The record: a saved one (load_record) or found_record's."""
     from ddp_train.launch.remote.remote import RemoteError, open_session
 
-    node = _record_node(record)
+    node = record["node"] if "node" in record else _record_node(record)
     python = f"{node.venv}/bin/python"
     command = (f"cd && {PROXIED_ENV}=1 exec {shlex.quote(python)} -m ddp_train.launch.cli "
                f"{shlex.join([*args, '--log-dir', record['log_dir']])}")  # fmt: skip
+    what = f"the monitor host of job {record['job_id']}" if record.get("job_id") else "the monitor host"
     try:
         session = open_session(node, connect_timeout)
     except RemoteError as e:
-        print(f"ddp-launch: error: the monitor host of job {record['job_id']}: {e}", file=sys.stderr)
+        print(f"ddp-launch: error: {what} ({node.name}): {e}", file=sys.stderr)
         return exitcodes.NODE_FAILED
     try:
         stream = session.start(command)
         try:
             for line in stream.lines():
-                print(line, flush=True)
+                if out is None:
+                    print(line, flush=True)
+                else:
+                    out(line)
         except KeyboardInterrupt:
             if args[0] == "attach":
                 print(f"\nddp-launch: detached from job {record['job_id']}; it keeps running", flush=True)

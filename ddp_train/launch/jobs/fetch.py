@@ -56,17 +56,27 @@ def rank0_node(job_id: str, data: dict[str, Any], host: str) -> Any:
     return found[0]
 
 
-def fetch(job_id: str, data: dict[str, Any], what: str, to: str, connect_timeout: float = 10) -> str:
-    """Copy the file; its local path. LaunchError (one line) if it cannot."""
+def fetch(job_id: str, data: dict[str, Any], what: str, to: str, connect_timeout: float = 10,
+          hosts: list[str] | None = None, extra_vars: list[str] | None = None) -> str:  # fmt: skip
+    """Copy the file; its local path. LaunchError (one line) if it cannot. Rank 0's node is found in the
+    recorded command's inventory, or in `hosts` (a machine other than the one that launched the job)."""
     from ddp_train.launch.jobs.recorded import in_recorded_dir
     from ddp_train.launch.remote.remote import RemoteError, open_session
 
     out_dir = Path(to).expanduser().resolve()
     here = os.getcwd()
-    in_recorded_dir(job_id, data)  # the recorded --hosts and --config are relative to it
+    given = _hosts_nodes(hosts, extra_vars or []) if hosts else None  # relative to this directory
+    recorded = isinstance(data.get("cwd"), str) and os.path.isdir(data["cwd"])
+    if recorded or given is None:
+        in_recorded_dir(job_id, data)  # the recorded --hosts and --config are relative to it
     try:
         host, run_dir, ckpt_dir = dirs(job_id, data)
-        node = rank0_node(job_id, data, host)
+        if given is None:
+            node = rank0_node(job_id, data, host)
+        else:
+            node = next((n for n in given if n.name == host), None)
+            if node is None:
+                raise LaunchError(f"job {job_id}: rank 0's host {host} is not in {', '.join(hosts or [])}")
     finally:
         os.chdir(here)
     try:
@@ -105,9 +115,18 @@ def fetch(job_id: str, data: dict[str, Any], what: str, to: str, connect_timeout
     return f"{final} ({found['size']} bytes, sha256 {found['sha256'][:16]}, from {host}:{found['path']})"
 
 
-def load(job_id: str, log_dir: str, command: bool = False) -> dict[str, Any]:
-    """job.json of JOB under log_dir; LaunchError (one line) for a bad id or a missing job. `command`:
-    the recorded command is enough (restart), which the record of a job monitored on the cluster keeps."""
+def _hosts_nodes(hosts: list[str], extra_vars: list[str]) -> list[Any]:
+    from ddp_train.launch.plan.inventory import load_nodes
+
+    return load_nodes(hosts, group="all", extra_vars=extra_vars)
+
+
+def load(job_id: str, log_dir: str, command: bool = False, hosts: list[str] | None = None,
+         extra_vars: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """job.json of JOB under log_dir, else from its monitor on the cluster (this machine's record of the
+    job, or the monitor host `hosts` names: clustermon.found_record); LaunchError (one line) for a bad id
+    or a missing job. `command`: the recorded command is enough (restart), which this machine's record
+    of a job monitored on the cluster keeps."""
     from ddp_train.launch.jobs import jobstate
     from ddp_train.launch.jobs.jobcmds import JOB_ID
 
@@ -115,19 +134,41 @@ def load(job_id: str, log_dir: str, command: bool = False) -> dict[str, Any]:
         raise LaunchError(f"job {job_id!r}: not a job id (letters, digits, '.', '_', '-')")
     data = jobstate.read_state(jobstate.state_path(log_dir, job_id))
     if data is None:
-        from ddp_train.launch.jobs.clustermon import load_record
+        from ddp_train.launch.jobs.clustermon import found_record
 
-        record = load_record(job_id) or {}
+        record = found_record(job_id, hosts, extra_vars or []) or {}
         where = (record.get("monitor") or {}).get("name")
         if where and command and "argv" in record:
             kept = ("argv", "cwd", "master", "master_addr")
             return {"job_id": job_id, **{k: record[k] for k in kept if k in record}}
-        if where:  # its job.json is with its monitor on the cluster (--detach)
+        if where and not command:  # its job.json is with its monitor on the cluster (--detach)
+            return monitor_state(record)
+        if where:
             raise LaunchError(
-                f"no job {job_id!r} in {log_dir}/: its monitor and job.json are on {where} "
-                f"(ddp_monitor_host); run this command there, or the job's command again with --exclude"
+                f"no job {job_id!r} in {log_dir}/ and no record of its command on this machine: restart it "
+                f"from the machine that launched it, or run the job's command again with --exclude"
             )
-        raise LaunchError(f"no job {job_id!r} in {log_dir}/")
+        hint = "" if hosts else "; a job detached from another machine: add --hosts INVENTORY"
+        raise LaunchError(f"no job {job_id!r} in {log_dir}/{hint}")
+    return data
+
+
+def monitor_state(record: dict[str, Any]) -> dict[str, Any]:
+    """job.json as the job's monitor host has it (`ddp-launch status JOB --json` run there)."""
+    import json
+
+    from ddp_train.launch.jobs.clustermon import proxy
+
+    lines: list[str] = []
+    code = proxy(record, ["status", record["job_id"], "--json"], out=lines.append)
+    name = record["monitor"]["name"]
+    try:
+        data = json.loads("\n".join(lines)) if code == 0 else None
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        said = next((ln for ln in reversed(lines) if ln.strip()), f"exit {code}")
+        raise LaunchError(f"job {record['job_id']} on its monitor host {name}: {one_line(said)}")
     return data
 
 
@@ -139,12 +180,14 @@ def main(opts: Any, rerun: Callable[[list[str]], int]) -> int:
     from ddp_train import exitcodes
 
     try:
-        data = load(opts.job, opts.log_dir, command=opts.command == "restart")
+        hosts, extra_vars = getattr(opts, "hosts", None), getattr(opts, "extra_vars", [])  # fetch has them
+        data = load(opts.job, opts.log_dir, command=opts.command == "restart", hosts=hosts,
+                    extra_vars=extra_vars)  # fmt: skip
         if opts.command == "restart":
             from ddp_train.launch.jobs.recorded import restart
 
             return restart(opts.job, data, list(opts.extra), rerun)
-        print(f"fetch: {fetch(opts.job, data, opts.what, opts.to, opts.connect_timeout)}")
+        print(f"fetch: {fetch(opts.job, data, opts.what, opts.to, opts.connect_timeout, hosts, extra_vars)}")
         return exitcodes.OK
     except LaunchError as e:
         print(f"ddp-launch {opts.command}: error: {one_line(str(e), 1000)}", file=sys.stderr)

@@ -23,6 +23,7 @@ from typing import Any
 
 from ddp_train import exitcodes
 from ddp_train.launch.cliparse import MONITOR_ARGS
+from ddp_train.launch.errors import LaunchError
 from ddp_train.launch.jobs import clustermon, jobstate
 from ddp_train.launch.plan.plan import JOB_ID
 from ddp_train.launch.run.logs import host_log_path, show_new, table
@@ -37,26 +38,37 @@ def main(opts: argparse.Namespace) -> int:
     command = opts.command
     if command == "jobs":
         code = _jobs(Path(opts.log_dir))
-        for record in [] if PROXIED else clustermon.remote_records():  # the monitors on the cluster
-            print(f"\njobs of the monitor on {record['monitor']['name']} ({record['log_dir']}):", flush=True)
-            code = clustermon.proxy(record, ["jobs"]) or code
+        for where in [] if PROXIED else _monitors(opts):  # the monitors on the cluster
+            print(f"\njobs of the monitor on {where['monitor']['name']} ({where['log_dir']}):", flush=True)
+            code = clustermon.proxy(where, ["jobs"]) or code
         return code
     if not JOB_ID.match(opts.job):  # it names a directory under --log-dir: no path may come through
         print(f"ddp-launch: error: job {opts.job!r}: not a job id (letters, digits, '.', '_', '-')",
               file=sys.stderr)  # fmt: skip
         return exitcodes.BAD_INPUT
     data = jobstate.read_state(jobstate.state_path(opts.log_dir, opts.job))
-    record = None if data is not None or PROXIED else clustermon.load_record(opts.job)
-    if record:  # not under --log-dir: found by its job id, from any directory
+    record: dict[str, Any] | None = None
+    if data is None and not PROXIED:  # not under --log-dir: found by its job id, from any directory,
+        try:  # or through --hosts
+            record = clustermon.found_record(opts.job, opts.hosts, opts.extra_vars)
+        except LaunchError as e:
+            print(f"ddp-launch: error: {e}", file=sys.stderr)
+            return exitcodes.BAD_INPUT
+    if record:
         if record.get("monitor"):
             return clustermon.proxy(record, [command, opts.job, *_flags(opts)])
         opts.log_dir = record.get("log_dir") or opts.log_dir
         data = jobstate.read_state(jobstate.state_path(opts.log_dir, opts.job))
     if data is None:
         known = ", ".join(j["job_id"] for j in jobstate.list_jobs(opts.log_dir)[-5:]) or "none"
-        print(f"ddp-launch: error: no job {opts.job!r} in {opts.log_dir}/ (recent: {known})", file=sys.stderr)
+        hint = "" if opts.hosts or PROXIED else "; a job detached from another machine: add --hosts INVENTORY"
+        print(f"ddp-launch: error: no job {opts.job!r} in {opts.log_dir}/ (recent: {known}){hint}",
+              file=sys.stderr)  # fmt: skip
         return exitcodes.BAD_INPUT
     job_dir = Path(opts.log_dir) / opts.job
+    if command == "status" and opts.json:  # the record as it is (argv's secrets are masked in it)
+        print(json.dumps(data, indent=1, sort_keys=True))
+        return exitcodes.OK
     if data.get("slurm"):  # submitted through Slurm: its state and, once nobody follows it, logs and stop
         from ddp_train.launch.slurm.jobctl import command as slurm_command
 
@@ -71,9 +83,25 @@ def main(opts: argparse.Namespace) -> int:
     return _stop(job_dir, data, opts.no_wait)
 
 
+def _monitors(opts: argparse.Namespace) -> list[dict[str, Any]]:
+    """The monitor hosts whose jobs `jobs` lists too: this machine's records', and --hosts' own."""
+    records = clustermon.remote_records()
+    if opts.hosts:
+        try:
+            found = clustermon.found_record(None, opts.hosts, opts.extra_vars)
+        except LaunchError as e:
+            print(f"ddp-launch: error: {e}", file=sys.stderr)
+            return records
+        seen = {(r["monitor"].get("name"), r.get("log_dir")) for r in records}
+        if found and (found["monitor"]["name"], found["log_dir"]) not in seen:
+            records.append(found)
+    return records
+
+
 def _flags(opts: argparse.Namespace) -> list[str]:
     """The job command's own options, for the same command on the monitor host."""
-    flags = ["-f"] if getattr(opts, "follow", False) else []
+    flags = ["--json"] if getattr(opts, "json", False) else []
+    flags += ["-f"] if getattr(opts, "follow", False) else []
     flags += ["--node", opts.node] if getattr(opts, "node", None) else []
     return flags + (["--no-wait"] if getattr(opts, "no_wait", False) else [])
 
