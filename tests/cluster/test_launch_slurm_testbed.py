@@ -396,26 +396,77 @@ def test_a_node_whose_slurmd_dies_fails_the_job_fast_and_named(cluster) -> None:
     (60 s), naming node2, instead of waiting for slurmctld's SlurmdTimeout (300 s) with the job
     COMPLETING. Last in this module; node2 is resumed at the end."""
     tb, root = cluster
-    node2 = tb.hosts()[2]
     job = ["--backend", "slurm", "--hosts", str(root / "inventory"), "--job-id", "sl-dead", "--time", "10"]
     run = Launcher([*job, "--set", "run.dir=runs-sl-dead", *SLOW], root)
     try:
         run.wait_for(r"\[node0 r0\] .*step \d+/2000", timeout=180)
-        victims = [p for p in tb.pids(node2) if _comm(p) not in ("sshd", "munged", "")]
-        for pid in victims:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        crash_node2(tb)
         t0 = time.monotonic()
         code = run.wait(240)
         took = time.monotonic() - t0
     finally:
         run.stop()
-        kill_job("sl-dead")  # node2's agent directory: its agent was killed with the node
-        tb.exec(node2, "/usr/sbin/slurmd", check=False)
-        tb.ssh(tb.hosts()[0], "scontrol update nodename=node2 state=resume", check=False)
+        bring_back_node2(tb, "sl-dead")
     assert code == 1 and took < 120, (took, run.text)
-    named = "node2 did not end with the other nodes (srun gave it 60 s): the node, its slurmd or its"
-    assert re.search(rf"^ddp-launch: Slurm job \d+ FAILED: {re.escape(named)}", run.text, re.M), run.text
+    assert re.search(rf"^ddp-launch: Slurm job \d+ FAILED: {re.escape(NODE2_GONE)}", run.text, re.M), run.text
+
+
+NODE2_GONE = "node2 did not end with the other nodes (srun gave it 60 s): the node, its slurmd or its"
+
+
+def test_with_on_node_loss_restart_the_allocation_goes_on_without_a_dead_node(cluster, users_tokens) -> None:
+    """#43 part 3, as users train (prepared tokens, a loader worker, replicas, global batch 24 on three
+    nodes): node2 crashes after the step-10 checkpoint. sbatch --no-kill keeps the allocation; the driver
+    names node2, starts attempt 2 on node0 and node1 as a new step (srun --exclude=node2, preflight
+    first), which resumes from the newest checkpoint with the global batch kept and finishes."""
+    tb, root = cluster
+    job = ["--backend", "slurm", "--hosts", str(root / "inventory"), "--job-id", "sl-heal", "--time", "10",
+           "--on-node-loss", "restart", "--max-node-losses", "1"]  # fmt: skip
+    train = [*trainer_args(users_tokens, steps=40), "--set", "train.batch_size=8", "--set",
+             "debug.step_delay_s=0.3", "--set", "run.dir=runs-sl-heal"]  # fmt: skip
+    run = Launcher([*job, *train], root)
+    try:
+        run.wait_for(r"\[node0 r0\] .*INFO step 12/40", timeout=240)
+        crash_node2(tb)
+        lost_at = time.monotonic()
+        run.wait_for(r"attempt 2 on node0,node1 without node2", timeout=150)
+        run.wait_for(r"\[node0 r0\] .*resumed from \S+ at step \d+", timeout=120)
+        went_on = time.monotonic() - lost_at
+        code = run.wait(300)
+    finally:
+        run.stop()
+        bring_back_node2(tb, "sl-heal")
+    assert code == 0, run.text
+    text = run.text
+    assert NODE2_GONE in text and "(lost 1 of ddp_max_node_losses 1)" in text, text
+    before, after = text.split("attempt 2 on node0,node1 without node2", 1)
+    last = max(int(s) for s in re.findall(r"\[node0 r0\] .*INFO step (\d+)/40", before))
+    resumed = int(re.search(r"\[node0 r0\] .*resumed from \S+ at step (\d+)", after).group(1))
+    assert resumed >= 10 and last - resumed <= 10, (last, resumed)  # at most a checkpoint interval lost
+    kept = r"\[node0 r0\] .*INFO global batch 24 kept: 8 x 3 rank\(s\) x 1 now 6 x 2 x 2"
+    assert re.search(kept, after), after
+    finals = [FINAL.match(ln).groups() for ln in after.splitlines() if FINAL.match(ln)]
+    assert sorted((h, world, step) for h, _, _, world, step, _ in finals) == [
+        ("node0", "2", "40"),
+        ("node1", "2", "40"),
+    ], after
+    assert len({sha for *_, sha in finals}) == 1
+    assert went_on < 150, went_on  # srun's --wait (60 s) to name node2, then the new step
+    print(f"sl-heal: training went on {went_on:.0f}s after node2's crash; steps lost {last - resumed}")
+
+
+def crash_node2(tb: Testbed) -> None:
+    """node2's slurmd, slurmstepd and the job's processes SIGKILLed at once (its sshd and munged stay, so
+    the test can bring the node back)."""
+    for pid in [p for p in tb.pids(tb.hosts()[2]) if _comm(p) not in ("sshd", "munged", "")]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def bring_back_node2(tb: Testbed, job_id: str) -> None:
+    kill_job(job_id)  # node2's agent directory: its agent was killed with the node
+    tb.exec(tb.hosts()[2], "/usr/sbin/slurmd", check=False)
+    tb.ssh(tb.hosts()[0], "scontrol update nodename=node2 state=resume", check=False)
 
 
 def _comm(pid: int) -> str:

@@ -15,7 +15,7 @@ import pytest
 
 from ddp_train.launch.errors import LaunchError
 from ddp_train.launch.plan.inventory import load_nodes
-from ddp_train.launch.plan.plan import Options, build_plan
+from ddp_train.launch.plan.plan import FRESH, Options, build_plan
 from ddp_train.launch.slurm import driver, jobctl, settings, submit
 
 PARTITIONS = (
@@ -625,3 +625,75 @@ def test_the_driver_narrows_its_output_file_and_puts_back_the_submitters_umask(t
         assert os.umask(0o077) == 0o077
     finally:
         os.umask(old)
+
+
+def test_on_node_loss_restart_maps_onto_no_kill_and_requeue_with_a_resume_argv(tmp_path: Path) -> None:
+    """#43 part 3: --no-kill (a failed node leaves the allocation alive), --requeue (the batch host's own
+    loss), and the argv of a later attempt: --fresh dropped, the checkpoint's global batch kept."""
+    inv = inventory(tmp_path)
+    s = settings.load(opts(), [inv], [])
+    plain = build_plan(load_nodes([inv]), Options(job_id="sj", overrides=(FRESH,)))
+    lines = submit.batch_script(plain, s).splitlines()
+    assert "#SBATCH --no-requeue" in lines and "#SBATCH --no-kill" not in lines
+    assert json.loads(base64.b64decode(lines[-1].split('"')[1]))["recovery"] is None
+    restart = Options(job_id="sj", overrides=(FRESH,), on_node_loss="restart", max_node_losses=1)
+    plan = build_plan(load_nodes([inv]), restart)
+    lines = submit.batch_script(plan, s).splitlines()
+    assert {"#SBATCH --no-kill", "#SBATCH --requeue", "#SBATCH --open-mode=append"} <= set(lines)
+    job = json.loads(base64.b64decode(lines[-1].split('"')[1]))
+    assert job["recovery"] == {"mode": "restart", "max_losses": 1, "min_nodes": 1}
+    assert FRESH in job["argv"] and FRESH not in job["resume_argv"]
+    assert job["resume_argv"][-2:] == ["--set", "train.global_batch=auto"]
+
+
+def test_the_driver_restarts_inside_the_allocation_without_the_nodes_that_went_away(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each lost node: a new step on the others (srun --exclude, --overlap), with the resume argv, until
+    ddp_max_node_losses or ddp_min_nodes stop it; a stop or an ordinary failure restarts nothing."""
+    steps: list[tuple[list[str], list[str], list[str]]] = []
+    outcomes: list[tuple[int, list[str]]] = []
+
+    def run(job, slurm_job, hosts, out_dir, say, stop, restarts, excluded=()):  # type: ignore[no-untyped-def]
+        steps.append((list(hosts), list(excluded), job["argv"]))
+        return outcomes.pop(0)
+
+    monkeypatch.setattr(driver, "_run", run)
+    said: list[str] = []
+    job = {"argv": ["a1"], "resume_argv": ["a2"], "recovery": {"mode": "restart", "max_losses": 2,
+                                                               "min_nodes": 2}}  # fmt: skip
+    hosts = ["n0", "n1", "n2", "n3"]
+    outcomes[:] = [(1, ["n2"]), (1, ["n3"]), (0, [])]
+    assert driver._attempts(job, "7", hosts, Path("."), said.append, driver._Stop(said.append), 0) == 0
+    assert steps == [
+        (hosts, [], ["a1"]),
+        (["n0", "n1", "n3"], ["n2"], ["a2"]),
+        (["n0", "n1"], ["n2", "n3"], ["a2"]),
+    ]
+    assert [driver.ATTEMPT.match(s)[1] for s in said if driver.ATTEMPT.match(s)] == ["2", "3"]
+    assert said[0] == (
+        "ddp-slurm: job 7: attempt 2 on n0,n1,n3 without n2 (lost 1 of ddp_max_node_losses 2): it resumes "
+        "from the newest checkpoint, the global batch kept"
+    )
+    steps.clear(), said.clear()
+    outcomes[:] = [(1, ["n2"]), (1, ["n1"])]  # the second loss would leave 2 of 4 nodes
+    job3 = {**job, "recovery": {**job["recovery"], "min_nodes": 3}}
+    assert driver._attempts(job3, "7", hosts, Path("."), said.append, driver._Stop(said.append), 0) == 1
+    assert said[-1] == "ddp-slurm: job 7: giving up: 2 node(s) would remain, fewer than ddp_min_nodes 3"
+    outcomes[:] = [(1, ["n2", "n3"])]  # two at once, one allowed
+    one = {**job, "recovery": {**job["recovery"], "max_losses": 1}}
+    assert driver._attempts(one, "7", hosts, Path("."), said.append, driver._Stop(said.append), 0) == 1
+    assert said[-1] == "ddp-slurm: job 7: giving up: 2 node(s) lost, more than ddp_max_node_losses 1"
+    steps.clear()
+    outcomes[:] = [(1, ["n2"])]  # ddp_on_node_loss: stop (no "recovery"): the job ends
+    assert (
+        driver._attempts({"argv": ["a1"]}, "7", hosts, Path("."), said.append, driver._Stop(said.append), 0)
+        == 1
+    )
+    stopped = driver._Stop(said.append)
+    stopped.signum = 15
+    outcomes[:] = [(143, ["n2"])]  # a stop under way: never a restart
+    assert driver._attempts(job, "7", hosts, Path("."), said.append, stopped, 0) == 143 and len(steps) == 2
+    assert driver._step(2, ["n2"])[-2:] == ["--exclude=n2", "--overlap"] and "--overlap" not in driver._step(
+        3
+    )

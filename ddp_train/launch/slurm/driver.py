@@ -55,6 +55,8 @@ RUNNING_TASKS = re.compile(r"StepId=\S+ tasks? ([\d,-]+): running")
 DONE = re.compile(r"^ddp-slurm: job \d+: done, exit (\d+)$")
 REQUEUED = re.compile(r"^ddp-slurm: job \d+: requeued \(")
 GONE = re.compile(r"^ddp-slurm: job \d+: (.* did not end with the other nodes .*)$")
+# ddp_on_node_loss: restart, a node lost inside the allocation: the next attempt as a new step on the others
+ATTEMPT = re.compile(r"^ddp-slurm: job \d+: attempt (\d+) on ")
 
 
 def log_dir(workdir: str | None, slurm_job: str) -> str:
@@ -150,7 +152,9 @@ def main(blob: str, early: Sequence[int] = ()) -> int:
         signal.signal(trapped, stop.handle)
     for signum in early:
         stop.handle(signum, None)
-    code = _run(job, slurm_job, hosts, out_dir, say, stop, restarts)
+    if restarts and job.get("resume_argv"):  # requeued: resume (--fresh dropped), the global batch kept
+        job = {**job, "argv": job["resume_argv"]}
+    code = _attempts(job, slurm_job, hosts, out_dir, say, stop, restarts)
     max_requeues = int(job.get("max_requeues") or 0)
     if stop.signum == signal.SIGUSR1 and code == 143 and restarts < max_requeues:
         subprocess.run(["scontrol", "requeue", slurm_job], check=False)
@@ -198,7 +202,7 @@ def _fresh_log_dir(out_dir: Path) -> Path | None:
     return aside
 
 
-def _run(
+def _attempts(
     job: dict[str, Any],
     slurm_job: str,
     hosts: Sequence[str],
@@ -207,12 +211,58 @@ def _run(
     stop: _Stop,
     restarts: int,
 ) -> int:
-    """Preflight, then the training step; the batch script's exit code."""
+    """The job on the allocation; with ddp_on_node_loss: restart (job "recovery"), again on the other
+    nodes each time a node went away inside it (sbatch --no-kill keeps the allocation: a new step with
+    srun --exclude, preflight first, resuming from the newest checkpoint with the global batch kept), as
+    long as ddp_max_node_losses and ddp_min_nodes allow. The batch script's exit code."""
+    policy = job.get("recovery") or {}
+    lost: list[str] = []
+    while True:
+        live = [h for h in hosts if h not in lost]
+        code, gone = _run(job, slurm_job, live, out_dir, say, stop, restarts, excluded=lost)
+        if not gone or stop.signum or policy.get("mode") != "restart":
+            return code
+        why = limit_reached(len(lost) + len(gone), len(live) - len(gone), policy)
+        if why:
+            say(f"ddp-slurm: job {slurm_job}: giving up: {why}")
+            return code
+        lost += gone
+        live = [h for h in hosts if h not in lost]
+        say(
+            f"ddp-slurm: job {slurm_job}: attempt {len(lost) + 1} on {','.join(live)} without "
+            f"{','.join(lost)} (lost {len(lost)} of ddp_max_node_losses {policy.get('max_losses')}): it "
+            "resumes from the newest checkpoint, the global batch kept"
+        )
+        job = {**job, "argv": job.get("resume_argv") or job["argv"]}
+
+
+def limit_reached(losses: int, remaining: int, policy: Mapping[str, Any]) -> str:
+    """Why a restart after `losses` lost nodes, with `remaining` left, is not allowed ('' if it is): the
+    rule of launch/run/nodeloss.py, inside one Slurm allocation."""
+    if losses > int(policy.get("max_losses", 0)):
+        return f"{losses} node(s) lost, more than ddp_max_node_losses {policy.get('max_losses')}"
+    if remaining < int(policy.get("min_nodes", 1)):
+        return f"{remaining} node(s) would remain, fewer than ddp_min_nodes {policy.get('min_nodes')}"
+    return ""
+
+
+def _run(
+    job: dict[str, Any],
+    slurm_job: str,
+    hosts: Sequence[str],
+    out_dir: Path,
+    say: Callable[[str], None],
+    stop: _Stop,
+    restarts: int,
+    excluded: Sequence[str] = (),
+) -> tuple[int, list[str]]:
+    """Preflight, then the training step on `hosts` (the allocation less `excluded`): the batch script's
+    exit code, and the nodes that went away without an exit status."""
     try:
         addr, _dev = own_address(job.get("cidr"))
     except ValueError as e:
         say(f"ddp-slurm: {hosts[0]}: {e}")
-        return 3
+        return 3, []
     port = free_port(addr, int(job["port"]))
     say(
         f"ddp-slurm: job {slurm_job} ({job['job_id']}) on {','.join(hosts)}: MASTER_ADDR={addr} "
@@ -220,14 +270,14 @@ def _run(
     )
     line = json.dumps({**job, "master_addr": addr, "master_port": port, "nnodes": len(hosts)}) + "\n"
     python = f"{job['venv'].rstrip('/')}/bin/python"
-    if job.get("preflight", True) and not preflight(job, hosts, line, say):
+    if job.get("preflight", True) and not preflight(job, hosts, line, say, excluded):
         say(f"ddp-slurm: job {slurm_job}: preflight failed on the allocation; nothing was started")
-        return 3
+        return 3, []
     if stop.signum:
         say(f"ddp-slurm: job {slurm_job}: stopped before training started")
-        return 143
+        return 143, []
     argv = [
-        *_step(len(hosts)),
+        *_step(len(hosts), excluded),
         "--kill-on-bad-exit=1",
         f"--wait={SRUN_WAIT_S}",
         python,
@@ -250,14 +300,14 @@ def _run(
             f"it {SRUN_WAIT_S} s): the node, its slurmd or its slurmstepd is gone; the other nodes' "
             "errors are its consequence"
         )
-        return 1
+        return 1, gone
     if code > 128 and not stop.signum:
         # nobody stopped the job: one node failed and srun (--kill-on-bad-exit) ended the others
         say(f"ddp-slurm: job {slurm_job}: a node failed (above); srun ended the others")
-        return 1
+        return 1, []
     if code > 128:
-        return 143  # the others were ended by srun while exiting after their save (their lines say so)
-    return code
+        return 143, []  # the others were ended by srun while exiting after their save (their lines say so)
+    return code, []
 
 
 def stragglers(srun_lines: Sequence[str]) -> list[int]:
@@ -274,7 +324,8 @@ def stragglers(srun_lines: Sequence[str]) -> list[int]:
     return sorted(tasks)
 
 
-def preflight(job: Mapping[str, Any], hosts: Sequence[str], line: str, say: Callable[[str], None]) -> bool:
+def preflight(job: Mapping[str, Any], hosts: Sequence[str], line: str, say: Callable[[str], None],
+              excluded: Sequence[str] = ()) -> bool:  # fmt: skip
     """Inside the allocation, before training: the SSH preflight's node checks (preflight.judge_probed:
     versions equal on every node, torch and the trainer importable, torchrun there, hostnames not on
     loopback, GPU counts and health) over every node's probe, run as one srun step, since compute nodes
@@ -285,7 +336,7 @@ def preflight(job: Mapping[str, Any], hosts: Sequence[str], line: str, say: Call
     from ddp_train.launch.preflight.preflight_model import NodeCheck
 
     python = f"{job['venv'].rstrip('/')}/bin/python"
-    argv = [*_step(len(hosts)), f"--wait={SRUN_WAIT_S}", python, "-m", DRIVER, "--probe"]
+    argv = [*_step(len(hosts), excluded), f"--wait={SRUN_WAIT_S}", python, "-m", DRIVER, "--probe"]
     try:
         out, both = subprocess.PIPE, subprocess.STDOUT
         res = subprocess.run(argv, input=line.encode(), stdout=out, stderr=both, timeout=PROBE_TIMEOUT_S)
@@ -323,9 +374,13 @@ def preflight(job: Mapping[str, Any], hosts: Sequence[str], line: str, say: Call
     return not failed
 
 
-def _step(n: int) -> list[str]:
-    """srun's options for a step of one task per node over the whole allocation."""
+def _step(n: int, excluded: Sequence[str] = ()) -> list[str]:
+    """srun's options for a step of one task per node over the allocation, less `excluded` (lost nodes,
+    whose earlier step Slurm may count as running until SlurmdTimeout: --overlap lets the new step share
+    the CPUs that step still holds; srun(1) --overlap, Slurm 20.11+)."""
     argv = ["srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", "--label"]
+    if excluded:
+        argv += [f"--exclude={','.join(excluded)}", "--overlap"]
     if os.environ.get("SLURM_CPUS_PER_TASK"):  # 22.05 srun no longer reads it (RELEASE_NOTES 22.05)
         argv.insert(1, f"--cpus-per-task={os.environ['SLURM_CPUS_PER_TASK']}")
     return argv

@@ -41,7 +41,10 @@ class SlurmSettings:
     requeue: bool = False
     max_requeues: int = 0
 
-    def sbatch_options(self, job_id: str, nodes: int) -> list[str]:
+    def sbatch_options(self, job_id: str, nodes: int, restart: bool = False) -> list[str]:
+        """`restart`: ddp_on_node_loss: restart, mapped onto Slurm's own mechanisms (docs/slurm.md):
+        --no-kill keeps the allocation when a node fails (the driver starts the next attempt on the
+        others), --requeue requeues the job when the batch host itself fails."""
         opts = [f"--job-name={job_id}", f"--nodes={self.nodes or nodes}", "--ntasks-per-node=1"]
         for name in ("partition", "account", "qos", "time", "constraint"):
             value = getattr(self, name)
@@ -52,9 +55,11 @@ class SlurmSettings:
         if self.exclusive:
             opts.append("--exclusive")
         opts.append(f"--signal=B:USR1@{self.signal_lead_s}")
-        opts.append("--requeue" if self.requeue else "--no-requeue")
-        if self.requeue:
+        opts.append("--requeue" if self.requeue or restart else "--no-requeue")
+        if self.requeue or restart:
             opts.append("--open-mode=append")
+        if restart:
+            opts.append("--no-kill")
         return opts
 
 

@@ -12,6 +12,7 @@ stop (`scancel --batch --signal=TERM`); Ctrl-C only detaches: the job is Slurm's
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import re
 import shlex
@@ -25,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 from ddp_train import exitcodes
 from ddp_train.launch.jobs import jobstate
 from ddp_train.launch.pipeline import LaunchConfig, Refused, sync_nodes
-from ddp_train.launch.plan.plan import JobPlan
+from ddp_train.launch.plan.plan import JobPlan, replan
 from ddp_train.launch.run.logs import JobLog
 from ddp_train.launch.run.report import JobResult
 from ddp_train.launch.run.trainerlog import Stopped, parse_stopped
 from ddp_train.launch.slurm import jobctl
-from ddp_train.launch.slurm.driver import DONE, DRIVER_LOG, GONE, REQUEUED, log_dir
+from ddp_train.launch.slurm.driver import ATTEMPT, DONE, DRIVER_LOG, GONE, REQUEUED, log_dir
 from ddp_train.launch.slurm.settings import SlurmSettings, minutes
 
 if TYPE_CHECKING:
@@ -67,13 +68,16 @@ def batch_script(plan: JobPlan, s: SlurmSettings, preflight: bool = True) -> str
         "workdir": p.cwd,
         "config": config,
         "max_requeues": s.max_requeues,
+        "resume_argv": list(replan(plan, (), plan.config).nodes[0].argv) if plan.options else None,
+        "recovery": dataclasses.asdict(plan.recovery) if plan.recovery.mode == "restart" else None,
         "preflight": preflight,
         "gpu_health": p.node.gpu_health,
         "gpu_health_dcgm": p.node.gpu_health_dcgm,
     }
     blob = base64.b64encode(json.dumps(job).encode()).decode()
     lines = [f"#!{p.node.venv.rstrip('/')}/bin/python"]
-    lines += [f"#SBATCH {o}" for o in s.sbatch_options(plan.job_id, len(plan.nodes))]
+    restart = plan.recovery.mode == "restart"
+    lines += [f"#SBATCH {o}" for o in s.sbatch_options(plan.job_id, len(plan.nodes), restart=restart)]
     if p.cwd:
         lines.append(f"#SBATCH --chdir={p.cwd}")
     lines.append("#SBATCH --output=ddp-slurm-%j.out")
@@ -353,8 +357,8 @@ class SlurmBackend:
             self.stopped += parse_stopped(lines)
             if host == "driver":
                 for line in lines:
-                    if REQUEUED.match(line):  # the ranks' stops so far were the earlier attempt's
-                        self.stopped = []
+                    if REQUEUED.match(line) or ATTEMPT.match(line):  # the stops so far: an earlier attempt's
+                        self.stopped, self.gone = [], ""
                     if m := DONE.match(line):
                         self.done = int(m.group(1))
                     elif m := GONE.match(line):
