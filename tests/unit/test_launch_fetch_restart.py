@@ -57,7 +57,11 @@ def test_a_job_monitored_on_the_cluster_names_its_monitor_host(
     record.write_text(json.dumps({"job_id": "j9", "log_dir": "jobs", "monitor": {"name": "node2"}}))
     assert cli.main([command, "j9"]) == 2
     line = err_line(capsys)
-    assert "no job 'j9' in logs/" in line and "on node2 (ddp_monitor_host)" in line
+    if command == "fetch":  # job.json is asked of the monitor host; this record cannot reach it
+        assert "j9.json: not a record of a job's monitor host" in line
+        assert "no job 'j9' here: its monitor and job.json are on node2 (ddp_monitor_host)" in line
+    else:
+        assert "no job 'j9' in logs/" in line and "on node2 (ddp_monitor_host)" in line
     if command == "restart":  # the record keeps the command (masked) and its directory: enough to restart
         argv = ["--hosts", "inv", "--detach", "--env", "HF_TOKEN=***", "--job-id", "j9"]
         record.write_text(json.dumps({"job_id": "j9", "log_dir": "jobs", "monitor": {"name": "node2"},

@@ -250,10 +250,22 @@ def _record_node(record: dict[str, Any]) -> Node:
 def proxy(record: dict[str, Any], args: list[str], connect_timeout: float = 10,
           out: Callable[[str], None] | None = None) -> int:  # fmt: skip
     """Run `ddp-launch ARGS --log-dir DIR` on the job's monitor host; its output here (each line to `out`,
-    else printed), its exit code. The record: a saved one (load_record) or found_record's."""
+    else printed; this function's own error lines too), its exit code. The record: a saved one
+    (load_record) or found_record's."""
     from ddp_train.launch.remote.remote import RemoteError, open_session
 
-    node = record["node"] if "node" in record else _record_node(record)
+    def error(text: str) -> None:
+        if out is None:
+            print(f"ddp-launch: error: {text}", file=sys.stderr)
+        else:
+            out(text)
+
+    try:
+        node = record["node"] if "node" in record else _record_node(record)
+    except (KeyError, TypeError):  # written by another version, or by hand
+        error(f"{record_path(record.get('job_id') or '?')}: not a record of a job's monitor host (fields "
+              "monitor.name, .venv, .ssh)")  # fmt: skip
+        return exitcodes.BAD_INPUT
     python = f"{node.venv}/bin/python"
     command = (f"cd && {PROXIED_ENV}=1 exec {shlex.quote(python)} -m ddp_train.launch.cli "
                f"{shlex.join([*args, '--log-dir', record['log_dir']])}")  # fmt: skip
@@ -261,7 +273,7 @@ def proxy(record: dict[str, Any], args: list[str], connect_timeout: float = 10,
     try:
         session = open_session(node, connect_timeout)
     except RemoteError as e:
-        print(f"ddp-launch: error: {what} ({node.name}): {e}", file=sys.stderr)
+        error(f"{what} ({node.name}): {e}")
         return exitcodes.NODE_FAILED
     try:
         stream = session.start(command)
@@ -278,12 +290,12 @@ def proxy(record: dict[str, Any], args: list[str], connect_timeout: float = 10,
             return exitcodes.SIGINT
         code, lost = stream.wait(timeout=10)
     except RemoteError as e:
-        print(f"ddp-launch: error: {e}", file=sys.stderr)
+        error(str(e))
         return exitcodes.NODE_FAILED
     finally:
         session.close()
     if code is None:
-        print(f"ddp-launch: error: {node.name}: {lost}", file=sys.stderr)
+        error(f"{node.name}: {lost}")
         return exitcodes.NODE_FAILED
     return code
 

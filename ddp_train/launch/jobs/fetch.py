@@ -145,8 +145,9 @@ def load(job_id: str, log_dir: str, command: bool = False, hosts: list[str] | No
             return monitor_state(record)
         if where:
             raise LaunchError(
-                f"no job {job_id!r} in {log_dir}/ and no record of its command on this machine: restart it "
-                f"from the machine that launched it, or run the job's command again with --exclude"
+                f"no job {job_id!r} in {log_dir}/: its monitor and job.json are on {where} "
+                "(ddp_monitor_host) and this machine has no record of its command: restart it from the "
+                "machine that launched it, or run the job's command again with --exclude"
             )
         hint = "" if hosts else "; a job detached from another machine: add --hosts INVENTORY"
         raise LaunchError(f"no job {job_id!r} in {log_dir}/{hint}")
@@ -168,7 +169,10 @@ def monitor_state(record: dict[str, Any]) -> dict[str, Any]:
         data = None
     if not isinstance(data, dict):
         said = next((ln for ln in reversed(lines) if ln.strip()), f"exit {code}")
-        raise LaunchError(f"job {record['job_id']} on its monitor host {name}: {one_line(said)}")
+        raise LaunchError(
+            f"no job {record['job_id']!r} here: its monitor and job.json are on {name} (ddp_monitor_host): "
+            f"{one_line(said)}"
+        )
     return data
 
 
