@@ -48,11 +48,12 @@ class LaunchConfig:
 
 
 class Refused(Exception):
-    """A backend refuses to start the job (the log says why); `code` is the launcher's exit code."""
+    """A backend refuses to start the job (the log says why); `code` is the launcher's exit code, `failed`
+    the nodes preflight failed (each with its first failure), if that was why."""
 
-    def __init__(self, code: int) -> None:
+    def __init__(self, code: int, failed: dict[str, str] | None = None) -> None:
         super().__init__(code)
-        self.code = code
+        self.code, self.failed = code, dict(failed or {})
 
 
 class Backend(Protocol):
@@ -107,7 +108,8 @@ def _attempts(cfg: LaunchConfig, plan: JobPlan, nodes: Backend, log: JobLog, sta
     from ddp_train.launch.errors import LaunchError
     from ddp_train.launch.jobs import metricsview
     from ddp_train.launch.plan.plan import replan
-    from ddp_train.launch.run.nodeloss import decide
+    from ddp_train.launch.run.nodeloss import decide, decide_preflight
+    from ddp_train.launch.run.report import Loss
     from ddp_train.launch.run.sigtrap import SignalTrap
 
     attempts: list[dict[str, Any]] = []
@@ -148,18 +150,30 @@ def _attempts(cfg: LaunchConfig, plan: JobPlan, nodes: Backend, log: JobLog, sta
             if not decision.restart:
                 return result.code
             jobstate.update_state(state, state="restarting")
-            try:
-                plan = replan(plan, decision.exclude, plan.config)
-                log.next_attempt()
-                plan = nodes.prepare(plan, lambda _p: None)  # preflight on the remaining nodes
-            except LaunchError as e:
-                log.note(f"cannot restart: {e}")
-                jobstate.update_state(state, reason=f"{result.reason}; cannot restart: {e}")
-                return result.code
-            except Refused as e:
-                jobstate.update_state(state, reason=f"{result.reason}; attempt {n + 1} refused before it "
-                                      "started (the lines above say why)")  # fmt: skip
-                return e.code
+            log.next_attempt()
+            ended, exclude = plan, decision.exclude
+            while True:  # preflight on the remaining nodes; a node that fails it is lost too
+                try:
+                    plan = nodes.prepare(replan(ended, exclude, ended.config), lambda _p: None)
+                    break
+                except LaunchError as e:
+                    log.note(f"cannot restart: {e}")
+                    jobstate.update_state(state, reason=f"{result.reason}; cannot restart: {e}")
+                    return result.code
+                except Refused as e:
+                    names = [p.node.name for p in ended.nodes if p.node.name not in exclude]
+                    failed = [Loss(h, f"failed the preflight of attempt {n + 1}: {why}", time.time())
+                              for h, why in e.failed.items()]  # fmt: skip
+                    more = decide_preflight(failed, ended.recovery, lost, names, n)
+                    lost += [x.record(n) for x in failed if more.lines]
+                    jobstate.update_state(state, lost=lost)
+                    for line in more.lines:
+                        log.note(line)
+                    if not more.restart:
+                        why = f"attempt {n + 1} refused before it started (the lines above say why)"
+                        jobstate.update_state(state, reason=f"{result.reason}; {why}")
+                        return e.code
+                    exclude = (*exclude, *more.exclude)
             if trap.first:
                 log.note(f"{trap.reason()} while restarting: attempt {n + 1} was not started")
                 jobstate.update_state(state, reason=f"{trap.reason()} while restarting")
@@ -234,11 +248,12 @@ class SshBackend:
                 log.note(f"preflight warning: {line}")
             if not report.ok:
                 log.block(report.render())
+                failed = {c.name: c.failures[0] for c in report.checks if c.failures}
                 log.note(
-                    f"preflight failed on {len({c.name for c in report.checks if c.failures})} node(s); "
+                    f"preflight failed on {len(failed)} node(s); "
                     "nothing was started (fix the lines above, or --skip-preflight)"
                 )
-                raise Refused(exitcodes.PREFLIGHT)
+                raise Refused(exitcodes.PREFLIGHT, failed)
             log.note(f"preflight ok on {len(plan.nodes)} nodes")
             plan = netif.apply(plan, report.checks, log.note)  # each node's interface in ddp_network_cidr
             if not check_backend(plan, report, log):

@@ -207,3 +207,57 @@ def test_after_the_last_step_a_short_stall_timeout_waits_for_the_final_save_and_
     assert watch.timeout() == 15.0
     watch.feed(Step(0, 30, 30, 1.0, 100.0, 0.1))  # the last step: the final save, check and exit follow
     assert watch.timeout() == STALL_FLOOR_S
+
+
+def test_a_node_that_fails_the_restarts_preflight_is_left_out_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 43: "a failed health check at restart" is a lost node. n0 crashes; attempt 2's preflight
+    fails on n2 (say a GPU that fell off the bus), so attempt 2 runs on n1 and n3 alone, and the second
+    loss uses up ddp_max_node_losses. With the losses used up, a failing preflight ends the job there."""
+    from ddp_train.launch import pipeline
+    from ddp_train.launch.jobs import jobstate, metricsview
+
+    monkeypatch.setattr(metricsview, "start", lambda *a: None)
+    nodes = [node(f"n{i}", f"10.0.0.{i + 1}") for i in range(4)]
+    plan = build_plan(nodes, Options(job_id="pf", on_node_loss="restart", max_node_losses=2, min_nodes=2))
+
+    class Backend(pipeline.SshBackend):
+        def __init__(self, refusals: list[dict[str, str]], results: list[JobResult]) -> None:
+            super().__init__(pipeline.LaunchConfig(plan, []), JobLog(tmp_path, "pf"))
+            self.refusals, self.results, self.prepared_on, self.ran_on = refusals, results, [], []
+
+        def prepare(self, p, on_plan):  # type: ignore[no-untyped-def]
+            self.prepared_on.append([x.node.name for x in p.nodes])
+            failed = self.refusals.pop(0) if self.prepared_on[1:] and self.refusals else {}
+            if failed:
+                raise pipeline.Refused(exitcodes.PREFLIGHT, failed)
+            return p
+
+        def run(self, p, on_state):  # type: ignore[no-untyped-def]
+            self.ran_on.append([x.node.name for x in p.nodes])
+            return self.results.pop(0)
+
+    state = tmp_path / "pf" / jobstate.STATE_FILE
+    jobstate.write_state(state, {"job_id": "pf"})
+    b = Backend([{"n2": "8 GPUs expected, 7 found"}], [result(exitcodes.NODE_FAILED, crash("n0")), result(0)])
+    assert pipeline._attempts(b.cfg, plan, b, b.log, state) == 0
+    assert b.prepared_on == [NODES, ["n1", "n2", "n3"], ["n1", "n3"]] and b.ran_on == [NODES, ["n1", "n3"]]
+    data = jobstate.read_state(state)
+    assert [(x["host"], x["attempt"]) for x in data["lost"]] == [("n0", 1), ("n2", 1)]
+    assert data["lost"][1]["reason"] == "failed the preflight of attempt 2: 8 GPUs expected, 7 found"
+    b.log.close()
+    said = (tmp_path / "pf" / "launcher.log").read_text()
+    assert (
+        "n2 lost (failed the preflight of attempt 2: 8 GPUs expected, 7 found); excluded; restarting on 2 "
+        "node(s) as attempt 2 of the job (2 of ddp_max_node_losses 2 used)" in said
+    ), said
+    # the losses used up: a third failing node ends the job with exit 3 and every lost node named
+    b = Backend([{"n2": "no GPU"}, {"n3": "no GPU"}], [result(exitcodes.NODE_FAILED, crash("n0"))])
+    assert pipeline._attempts(b.cfg, plan, b, b.log, state) == exitcodes.PREFLIGHT
+    assert b.prepared_on == [NODES, ["n1", "n2", "n3"], ["n1", "n3"]] and b.ran_on == [NODES]
+    data = jobstate.read_state(state)
+    assert "attempt 2 refused before it started" in data["reason"]
+    b.log.close()
+    said = (tmp_path / "pf" / "launcher.log").read_text().split("giving up")[-2:]
+    assert said[-1].startswith(": 3 node(s) lost, more than ddp_max_node_losses 2"), said
