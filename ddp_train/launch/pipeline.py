@@ -49,7 +49,7 @@ class LaunchConfig:
 
 class Refused(Exception):
     """A backend refuses to start the job (the log says why); `code` is the launcher's exit code, `failed`
-    the nodes preflight failed (each with its first failure), if that was why."""
+    the nodes at fault when preflight failed (each with its first failure: Report.at_fault)."""
 
     def __init__(self, code: int, failed: dict[str, str] | None = None) -> None:
         super().__init__(code)
@@ -248,12 +248,11 @@ class SshBackend:
                 log.note(f"preflight warning: {line}")
             if not report.ok:
                 log.block(report.render())
-                failed = {c.name: c.failures[0] for c in report.checks if c.failures}
                 log.note(
-                    f"preflight failed on {len(failed)} node(s); "
+                    f"preflight failed on {len({c.name for c in report.checks if c.failures})} node(s); "
                     "nothing was started (fix the lines above, or --skip-preflight)"
                 )
-                raise Refused(exitcodes.PREFLIGHT, failed)
+                raise Refused(exitcodes.PREFLIGHT, report.at_fault())
             log.note(f"preflight ok on {len(plan.nodes)} nodes")
             plan = netif.apply(plan, report.checks, log.note)  # each node's interface in ddp_network_cidr
             if not check_backend(plan, report, log):

@@ -185,6 +185,13 @@ def test_a_machine_without_the_record_finds_the_monitor_host_through_the_invento
     found = clustermon.found_record("j", [inv], [])
     assert found and (found["node"].name, found["node"].address) == ("login", "10.0.0.9")
     assert found["log_dir"] == "/srv/jobs"
+    # the directory is the master's ddp_monitor_dir, as detach writes it, not the monitor host's own
+    import yaml
+
+    data = yaml.safe_load(Path(inv).read_text())
+    data["all"]["hosts"]["login"]["ddp_monitor_dir"] = "/elsewhere"
+    Path(inv).write_text(yaml.safe_dump(data))
+    assert clustermon.found_record("j", [inv], [])["log_dir"] == "/srv/jobs"  # type: ignore[index]
     assert clustermon.found_record("j", None, []) is None  # no record here, no inventory
     with pytest.raises(clustermon.LaunchError, match="ddp_monitor_host 'gone': no such host"):
         clustermon.found_record("j", [_inventory(tmp_path, {"ddp_monitor_host": "gone"})], [])
@@ -203,7 +210,8 @@ def test_job_commands_ask_the_inventorys_monitor_host_for_a_job_not_known_here(
            "cwd": "/not/here", "metrics": {"host": "n2", "path": "/w/runs/x/metrics.jsonl"}}  # fmt: skip
 
     def proxy(record, args, connect_timeout=10, out=None):  # type: ignore[no-untyped-def]
-        asked.append((record["node"].name, record["log_dir"], args))
+        node = record["node"] if "node" in record else clustermon._record_node(record)  # found or saved
+        asked.append((node.name, record["log_dir"], args))
         if out is not None:
             for line in json.dumps(job, indent=1).splitlines():
                 out(line)
@@ -220,7 +228,13 @@ def test_job_commands_ask_the_inventorys_monitor_host_for_a_job_not_known_here(
     ]
     # fetch: job.json from the monitor host, rank 0's node from --hosts (the recorded cwd is not here)
     data = fetch.load("j", "logs", hosts=[inv], extra_vars=[])
-    assert data == job and asked[-1][2] == ["status", "j", "--json"]
+    assert data == {**job, "cwd": None} and asked[-1][2] == ["status", "j", "--json"]  # the monitor's cwd
+    # this machine's record (the launching one): its argv and directory, not the monitor's
+    clustermon.save_record("j", clustermon.found_record(None, [inv], [])["node"], "jobs", ["--hosts", "inv"])
+    data = fetch.load("j", "logs")
+    assert (data["argv"], data["cwd"], data["metrics"]) == (["--hosts", "inv"], str(tmp_path), job["metrics"])
+    assert asked[-1][:2] == ("login", "jobs")
+    clustermon.record_path("j").unlink()
     with pytest.raises(fetch.LaunchError, match="rank 0's host n7 is not in"):
         fetch.fetch("j", {**job, "metrics": {"host": "n7", "path": "/w/m"}}, "metrics", str(tmp_path),
                     hosts=[inv], extra_vars=[])  # fmt: skip
@@ -229,6 +243,14 @@ def test_job_commands_ask_the_inventorys_monitor_host_for_a_job_not_known_here(
     capsys.readouterr()
     assert main(["status", "j"]) == 2  # neither here nor --hosts: say how
     assert "a job detached from another machine: add --hosts INVENTORY" in capsys.readouterr().err
+    assert main(["jobs", "--hosts", str(tmp_path / "nothing")]) == 2
+    assert "nothing: no such file or directory" in capsys.readouterr().err
+
+
+def test_the_proxy_asks_for_the_directory_the_monitor_wrote_a_tilde_as_the_remote_home() -> None:
+    assert clustermon.home_path("~/jobs x") == "\"$HOME\"/'jobs x'"
+    assert clustermon.home_path("~") == '"$HOME"' and clustermon.home_path("/srv/j") == "/srv/j"
+    assert clustermon.home_path(".ddp-train/jobs") == ".ddp-train/jobs"  # relative: to the home (cd)
 
 
 def test_status_json_prints_the_record_as_it_is(

@@ -261,3 +261,27 @@ def test_a_node_that_fails_the_restarts_preflight_is_left_out_too(
     b.log.close()
     said = (tmp_path / "pf" / "launcher.log").read_text().split("giving up")[-2:]
     assert said[-1].startswith(": 3 node(s) lost, more than ddp_max_node_losses 2"), said
+
+
+def test_a_node_the_others_cannot_reach_is_the_one_at_fault_not_they() -> None:
+    """One node's training NIC broke while its SSH works: every other node's network probe fails to reach
+    it and it fails to reach them. Only that node is lost at a restart; a node's own failure (its GPU)
+    always counts; two nodes that cannot reach each other cannot be told apart: both are named."""
+    from ddp_train.launch.preflight.preflight_model import NodeCheck, Report
+
+    plan = build_plan([node(f"n{i}", f"10.0.0.{i + 1}") for i in range(4)], Options(job_id="r"))
+    checks = [NodeCheck(p) for p in plan.nodes]
+    for c in checks[:3]:
+        c.fail_to_reach("n3", "cannot reach n3's ephemeral port 10.0.0.4:41000 (timed out)")
+    for peer in ("n0", "n1", "n2"):
+        checks[3].fail_to_reach(peer, f"cannot reach {peer}'s ephemeral port (timed out)")
+    checks[1].fail("7 GPUs, 8 expected")
+    assert Report(checks).at_fault() == {
+        "n1": "7 GPUs, 8 expected",
+        "n3": "cannot reach n0's ephemeral port (timed out)",
+    }
+    pair = [NodeCheck(p) for p in build_plan(cluster()[:2], Options(job_id="r")).nodes]
+    pair[0].fail_to_reach("n1", "x")
+    pair[1].fail_to_reach("n0", "y")
+    said = "1 of the other 1 node(s) cannot reach it on the training network"
+    assert Report(pair).at_fault() == {"n0": said, "n1": said}

@@ -7,6 +7,7 @@ import argparse
 import base64
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -647,7 +648,7 @@ def test_on_node_loss_restart_maps_onto_no_kill_and_requeue_with_a_resume_argv(t
 
 
 def test_the_driver_restarts_inside_the_allocation_without_the_nodes_that_went_away(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """Each lost node: a new step on the others (srun --exclude, --overlap), with the resume argv, until
     ddp_max_node_losses or ddp_min_nodes stop it; a stop or an ordinary failure restarts nothing."""
@@ -658,17 +659,23 @@ def test_the_driver_restarts_inside_the_allocation_without_the_nodes_that_went_a
         steps.append((list(hosts), list(excluded), job["argv"]))
         return outcomes.pop(0)
 
+    def attempts(job: dict, stop: driver._Stop | None = None) -> int:
+        record = driver.Attempts(tmp_path / "attempts.json", 0)
+        return driver._attempts(job, "7", hosts, tmp_path, said.append, stop or driver._Stop(said.append), 0,
+                                record)  # fmt: skip
+
     monkeypatch.setattr(driver, "_run", run)
     said: list[str] = []
-    job = {"argv": ["a1"], "resume_argv": ["a2"], "recovery": {"mode": "restart", "max_losses": 2,
-                                                               "min_nodes": 2}}  # fmt: skip
+    policy = {"mode": "restart", "max_losses": 2, "min_nodes": 2}
+    job = {"argv": ["a1"], "resume_argv": ["a2", "train.global_batch=auto"], "recovery": policy}
     hosts = ["n0", "n1", "n2", "n3"]
     outcomes[:] = [(1, ["n2"]), (1, ["n3"]), (0, [])]
-    assert driver._attempts(job, "7", hosts, Path("."), said.append, driver._Stop(said.append), 0) == 0
+    assert attempts(job) == 0
+    resumed = ["a2", "train.global_batch=auto"]
     assert steps == [
         (hosts, [], ["a1"]),
-        (["n0", "n1", "n3"], ["n2"], ["a2"]),
-        (["n0", "n1"], ["n2", "n3"], ["a2"]),
+        (["n0", "n1", "n3"], ["n2"], resumed),
+        (["n0", "n1"], ["n2", "n3"], resumed),
     ]
     assert [driver.ATTEMPT.match(s)[1] for s in said if driver.ATTEMPT.match(s)] == ["2", "3"]
     assert said[0] == (
@@ -677,23 +684,78 @@ def test_the_driver_restarts_inside_the_allocation_without_the_nodes_that_went_a
     )
     steps.clear(), said.clear()
     outcomes[:] = [(1, ["n2"]), (1, ["n1"])]  # the second loss would leave 2 of 4 nodes
-    job3 = {**job, "recovery": {**job["recovery"], "min_nodes": 3}}
-    assert driver._attempts(job3, "7", hosts, Path("."), said.append, driver._Stop(said.append), 0) == 1
+    assert attempts({**job, "recovery": {**policy, "min_nodes": 3}}) == 1
     assert said[-1] == "ddp-slurm: job 7: giving up: 2 node(s) would remain, fewer than ddp_min_nodes 3"
     outcomes[:] = [(1, ["n2", "n3"])]  # two at once, one allowed
-    one = {**job, "recovery": {**job["recovery"], "max_losses": 1}}
-    assert driver._attempts(one, "7", hosts, Path("."), said.append, driver._Stop(said.append), 0) == 1
+    assert attempts({**job, "recovery": {**policy, "max_losses": 1}}) == 1
     assert said[-1] == "ddp-slurm: job 7: giving up: 2 node(s) lost, more than ddp_max_node_losses 1"
     steps.clear()
     outcomes[:] = [(1, ["n2"])]  # ddp_on_node_loss: stop (no "recovery"): the job ends
-    assert (
-        driver._attempts({"argv": ["a1"]}, "7", hosts, Path("."), said.append, driver._Stop(said.append), 0)
-        == 1
-    )
+    assert attempts({"argv": ["a1"]}) == 1
     stopped = driver._Stop(said.append)
     stopped.signum = 15
     outcomes[:] = [(143, ["n2"])]  # a stop under way: never a restart
-    assert driver._attempts(job, "7", hosts, Path("."), said.append, stopped, 0) == 143 and len(steps) == 2
+    assert attempts(job, stopped) == 143 and len(steps) == 2
     assert driver._step(2, ["n2"])[-2:] == ["--exclude=n2", "--overlap"] and "--overlap" not in driver._step(
         3
+    )
+    # a user script's resume argv has no global batch to keep: the line does not claim it
+    said.clear()
+    outcomes[:] = [(1, ["n2"]), (0, [])]
+    assert attempts({**job, "resume_argv": ["s2"]}) == 0
+    assert said[0].endswith("it resumes from the newest checkpoint, its argv as given")
+
+
+def test_a_requeued_allocation_counts_the_losses_before_it_and_resumes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A driver that never ended was lost with its batch host: Slurm requeued the job (--requeue), and
+    the next allocation counts that loss (and the in-allocation ones before it) against
+    ddp_max_node_losses, leaves those hosts out should Slurm give one back, and runs the resume argv.
+    Its own time-limit requeues are the only ones --max-requeues counts."""
+    calls: list[tuple[list[str], list[str], int]] = []
+    results: list[tuple[int, list[str]]] = []
+
+    def run(job, slurm_job, hosts, out_dir, say, stop, restarts, excluded=()):  # type: ignore[no-untyped-def]
+        calls.append((list(hosts), list(excluded), restarts, job["argv"]))
+        return results.pop(0)
+
+    def scontrol(argv, **kw):  # type: ignore[no-untyped-def]
+        return subprocess.CompletedProcess(argv, 0, os.environ["SLURM_JOB_NODELIST"].replace(",", " "), "")
+
+    monkeypatch.setattr(driver, "_run", run)
+    monkeypatch.setattr(subprocess, "run", scontrol)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # the driver's handlers: not this process's
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    policy = {"mode": "restart", "max_losses": 2, "min_nodes": 2}
+    job = {"argv": ["a1"], "resume_argv": ["a2"], "recovery": policy, "workdir": str(tmp_path)}
+    blob = base64.b64encode(json.dumps(job).encode()).decode()
+    out = Path(driver.log_dir(str(tmp_path), "41"))
+
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n0,n1,n2,n3")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    # n3 went away; attempt 2 ran, then n0 (the batch host, this driver) died with it: no end written
+    results[:] = [(1, ["n3"]), (0, [])]
+    with monkeypatch.context() as m:
+        m.setattr(driver.Attempts, "end", lambda self, usr1=False: None)
+        driver.main(blob)
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n1,n2,n3")  # n3 resumed by an admin, n0 down
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    results[:] = [(0, [])]
+    assert driver.main(blob) == 0
+    assert calls[-1] == (["n1", "n2"], ["n3"], 1, ["a2"])
+    text = (out / driver.DRIVER_LOG).read_text()
+    assert "attempt 3 on n1,n2 without n3,n0 (lost 2 of ddp_max_node_losses 2)" in text, text
+    state = json.loads((out / driver.ATTEMPTS_FILE).read_text())
+    assert [x["host"] for x in state["lost"]] == ["n3", "n0"] and state["started"] is None
+    # one more requeue after another lost batch host: over the budget, nothing runs
+    state["started"] = "n1"
+    (out / driver.ATTEMPTS_FILE).write_text(json.dumps(state))
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n2,n4")
+    n = len(calls)
+    assert driver.main(blob) == 1 and len(calls) == n
+    assert (
+        "giving up: 3 node(s) lost, more than ddp_max_node_losses 2 (n3, n0, n1 lost)"
+        in (out / driver.DRIVER_LOG).read_text()
     )

@@ -82,10 +82,11 @@ def _host(name: str, hosts: list[str], extra_vars: list[str]) -> Node:
     return node
 
 
-def inventory_monitor(hosts: list[str], extra_vars: list[str]) -> Node | None:
-    """The monitor host of the jobs this inventory launches, picked as monitor_node picks it at launch:
-    ddp_monitor_host, else the master node (ddp_master, else the first node). None: this machine. For
-    the job commands on a machine with the inventory and no record of the job (a second laptop)."""
+def inventory_monitor(hosts: list[str], extra_vars: list[str]) -> tuple[Node | None, str]:
+    """The monitor host of the jobs this inventory launches and its directory, picked as detach picks them
+    at launch (monitor_node, detach_to_cluster): ddp_monitor_host, else the master node (ddp_master,
+    else the first node of the node group), and the master's ddp_monitor_dir. None: this machine. For the
+    job commands on a machine with the inventory and no record of the job (a second laptop)."""
     from ddp_train.launch.plan.inventory import load_nodes
 
     nodes = load_nodes(hosts, extra_vars=extra_vars)
@@ -94,7 +95,7 @@ def inventory_monitor(hosts: list[str], extra_vars: list[str]) -> Node | None:
     master = next((n for n in nodes if n.name == nodes[0].master), nodes[0])
     name = master.monitor_host or master.name
     node = next((n for n in nodes if n.name == name), None) or _host(name, hosts, extra_vars)
-    return None if node.local or node.ssh is None else node
+    return (None if node.local or node.ssh is None else node), master.monitor_dir
 
 
 def cluster_plan(plan: JobPlan) -> JobPlan:
@@ -224,16 +225,26 @@ def remote_records() -> list[dict[str, Any]]:
     return list(seen.values())
 
 
+def home_path(path: str) -> str:
+    """`path` for a remote shell, quoted, with a leading ~ as the remote user's $HOME (ddp_monitor_dir may
+    say ~/jobs: remote_start expands it there, so must whoever asks for the same directory)."""
+    if path == "~":
+        return '"$HOME"'
+    if path.startswith("~/"):
+        return '"$HOME"/' + shlex.quote(path[2:])
+    return shlex.quote(path)
+
+
 def found_record(job_id: str | None, hosts: list[str] | None, extra_vars: list[str]) -> dict[str, Any] | None:
     """Where a job's monitor is: this machine's record of it, else (with `hosts`) the monitor host that
     inventory names and its ddp_monitor_dir. None: neither (or the inventory's monitor is this machine)."""
     record = load_record(job_id) if job_id else None
     if record or not hosts:
         return record
-    node = inventory_monitor(hosts, extra_vars)
+    node, log_dir = inventory_monitor(hosts, extra_vars)
     if node is None:
         return None
-    return {"job_id": job_id, "log_dir": node.monitor_dir, "node": node, "monitor": {"name": node.name}}
+    return {"job_id": job_id, "log_dir": log_dir, "node": node, "monitor": {"name": node.name}}
 
 
 def _record_node(record: dict[str, Any]) -> Node:
@@ -268,7 +279,7 @@ def proxy(record: dict[str, Any], args: list[str], connect_timeout: float = 10,
         return exitcodes.BAD_INPUT
     python = f"{node.venv}/bin/python"
     command = (f"cd && {PROXIED_ENV}=1 exec {shlex.quote(python)} -m ddp_train.launch.cli "
-               f"{shlex.join([*args, '--log-dir', record['log_dir']])}")  # fmt: skip
+               f"{shlex.join(args)} --log-dir {home_path(record['log_dir'])}")  # fmt: skip
     what = f"the monitor host of job {record['job_id']}" if record.get("job_id") else "the monitor host"
     try:
         session = open_session(node, connect_timeout)

@@ -122,7 +122,7 @@ def _hosts_nodes(hosts: list[str], extra_vars: list[str]) -> list[Any]:
 
 
 def load(job_id: str, log_dir: str, command: bool = False, hosts: list[str] | None = None,
-         extra_vars: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
+         extra_vars: list[str] | None = None, connect_timeout: float = 10) -> dict[str, Any]:  # fmt: skip
     """job.json of JOB under log_dir, else from its monitor on the cluster (this machine's record of the
     job, or the monitor host `hosts` names: clustermon.found_record); LaunchError (one line) for a bad id
     or a missing job. `command`: the recorded command is enough (restart), which this machine's record
@@ -142,7 +142,12 @@ def load(job_id: str, log_dir: str, command: bool = False, hosts: list[str] | No
             kept = ("argv", "cwd", "master", "master_addr")
             return {"job_id": job_id, **{k: record[k] for k in kept if k in record}}
         if where and not command:  # its job.json is with its monitor on the cluster (--detach)
-            return monitor_state(record)
+            data = monitor_state(record, connect_timeout)
+            # the cwd there is the monitor's; the command's own is this machine's record's (none: --hosts)
+            data["cwd"] = record.get("cwd")
+            if "argv" in record:
+                data["argv"] = record["argv"]
+            return data
         if where:
             raise LaunchError(
                 f"no job {job_id!r} in {log_dir}/: its monitor and job.json are on {where} "
@@ -154,17 +159,19 @@ def load(job_id: str, log_dir: str, command: bool = False, hosts: list[str] | No
     return data
 
 
-def monitor_state(record: dict[str, Any]) -> dict[str, Any]:
-    """job.json as the job's monitor host has it (`ddp-launch status JOB --json` run there)."""
+def monitor_state(record: dict[str, Any], connect_timeout: float = 10) -> dict[str, Any]:
+    """job.json as the job's monitor host has it (`ddp-launch status JOB --json` run there: its lines
+    from the first "{" on, whatever a login shell printed before)."""
     import json
 
     from ddp_train.launch.jobs.clustermon import proxy
 
     lines: list[str] = []
-    code = proxy(record, ["status", record["job_id"], "--json"], out=lines.append)
+    code = proxy(record, ["status", record["job_id"], "--json"], connect_timeout, out=lines.append)
     name = record["monitor"]["name"]
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("{")), None)
     try:
-        data = json.loads("\n".join(lines)) if code == 0 else None
+        data = json.loads("\n".join(lines[start:])) if code == 0 and start is not None else None
     except ValueError:
         data = None
     if not isinstance(data, dict):
@@ -186,7 +193,7 @@ def main(opts: Any, rerun: Callable[[list[str]], int]) -> int:
     try:
         hosts, extra_vars = getattr(opts, "hosts", None), getattr(opts, "extra_vars", [])  # fetch has them
         data = load(opts.job, opts.log_dir, command=opts.command == "restart", hosts=hosts,
-                    extra_vars=extra_vars)  # fmt: skip
+                    extra_vars=extra_vars, connect_timeout=getattr(opts, "connect_timeout", 10))  # fmt: skip
         if opts.command == "restart":
             from ddp_train.launch.jobs.recorded import restart
 

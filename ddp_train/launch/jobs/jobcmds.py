@@ -37,8 +37,13 @@ def main(opts: argparse.Namespace) -> int:
     """Run the job command `opts.command` (its parser: cliparse.py)."""
     command = opts.command
     if command == "jobs":
+        try:
+            monitors = [] if PROXIED else _monitors(opts)  # the monitors on the cluster
+        except LaunchError as e:
+            print(f"ddp-launch: error: {e}", file=sys.stderr)
+            return exitcodes.BAD_INPUT
         code = _jobs(Path(opts.log_dir))
-        for where in [] if PROXIED else _monitors(opts):  # the monitors on the cluster
+        for where in monitors:
             print(f"\njobs of the monitor on {where['monitor']['name']} ({where['log_dir']}):", flush=True)
             code = clustermon.proxy(where, ["jobs"]) or code
         return code
@@ -84,17 +89,13 @@ def main(opts: argparse.Namespace) -> int:
 
 
 def _monitors(opts: argparse.Namespace) -> list[dict[str, Any]]:
-    """The monitor hosts whose jobs `jobs` lists too: this machine's records', and --hosts' own."""
+    """The monitor hosts whose jobs `jobs` lists too: this machine's records', and --hosts' own (a
+    LaunchError when that inventory is bad)."""
     records = clustermon.remote_records()
-    if opts.hosts:
-        try:
-            found = clustermon.found_record(None, opts.hosts, opts.extra_vars)
-        except LaunchError as e:
-            print(f"ddp-launch: error: {e}", file=sys.stderr)
-            return records
-        seen = {(r["monitor"].get("name"), r.get("log_dir")) for r in records}
-        if found and (found["monitor"]["name"], found["log_dir"]) not in seen:
-            records.append(found)
+    found = clustermon.found_record(None, opts.hosts, opts.extra_vars) if opts.hosts else None
+    seen = {(r["monitor"].get("name"), r.get("log_dir")) for r in records}
+    if found and (found["monitor"]["name"], found["log_dir"]) not in seen:
+        records.append(found)
     return records
 
 

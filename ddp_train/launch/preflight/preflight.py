@@ -352,7 +352,7 @@ def _check_network(plan: JobPlan, checks: list[NodeCheck], timeout: float) -> No
                 return
             for key, result in found.items():
                 if result != "ok":
-                    c.fail(_unreachable(key, result))
+                    c.fail_to_reach(key.split("|", 1)[0], _unreachable(key, result))
 
         parallel(connect, ready)
         outsider = _answers_outsider(plan, addresses, token, min(timeout, 2.0)) if "MASTER" in minfo else None

@@ -154,17 +154,76 @@ def main(blob: str, early: Sequence[int] = ()) -> int:
         stop.handle(signum, None)
     if restarts and job.get("resume_argv"):  # requeued: resume (--fresh dropped), the global batch kept
         job = {**job, "argv": job["resume_argv"]}
-    code = _attempts(job, slurm_job, hosts, out_dir, say, stop, restarts)
+    record = Attempts(out_dir / ATTEMPTS_FILE, restarts)
+    if restarts and record.started is not None:  # its driver never said how it ended: its host went down
+        record.lose(record.started, "the batch host of the allocation before: Slurm requeued the job after a "
+                    "node failure (sbatch --requeue)")  # fmt: skip
+    record.start(hosts[0])
+    code = _attempts(job, slurm_job, hosts, out_dir, say, stop, restarts, record)
     max_requeues = int(job.get("max_requeues") or 0)
-    if stop.signum == signal.SIGUSR1 and code == 143 and restarts < max_requeues:
+    if stop.signum == signal.SIGUSR1 and code == 143 and record.usr1 < max_requeues:
+        record.end(usr1=True)
         subprocess.run(["scontrol", "requeue", slurm_job], check=False)
         say(
-            f"ddp-slurm: job {slurm_job}: requeued ({restarts + 1}/{max_requeues}); it resumes from the "
+            f"ddp-slurm: job {slurm_job}: requeued ({record.usr1}/{max_requeues}); it resumes from the "
             "newest checkpoint"
         )
     else:
+        record.end()
         say(f"ddp-slurm: job {slurm_job}: done, exit {code}")  # DONE: the launcher ends here (submit.py)
     return code
+
+
+ATTEMPTS_FILE = "attempts.json"  # beside driver.log: what the job's allocations had, across requeues
+
+
+class Attempts:
+    """The job's attempts across its allocations (a requeue starts the batch script again, on the same
+    shared workdir): the step attempts so far, the lost nodes (never used again, counted against
+    ddp_max_node_losses), the time-limit requeues this driver made (--max-requeues counts only those),
+    and the batch host of a driver that has not ended: one that never does was lost with its host."""
+
+    def __init__(self, path: Path, restarts: int) -> None:
+        self.path = path
+        data: dict[str, Any] = {}
+        if restarts:
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                data = {}
+        self.attempt = int(data.get("attempt") or 0)
+        self.lost: list[dict[str, str]] = list(data.get("lost") or [])
+        self.usr1 = int(data.get("usr1") or 0)
+        self.started: str | None = data.get("started")
+
+    def start(self, batch_host: str) -> None:
+        self.started = batch_host
+        self._save()
+
+    def next(self) -> int:
+        self.attempt += 1
+        self._save()
+        return self.attempt
+
+    def lose(self, host: str, why: str) -> None:
+        self.lost.append({"host": host, "why": why})
+        self._save()
+
+    def end(self, usr1: bool = False) -> None:
+        self.started, self.usr1 = None, self.usr1 + int(usr1)
+        self._save()
+
+    @property
+    def lost_hosts(self) -> list[str]:
+        return [x["host"] for x in self.lost]
+
+    def _save(self) -> None:
+        data = {"attempt": self.attempt, "lost": self.lost, "usr1": self.usr1, "started": self.started}
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+        os.replace(tmp, self.path)
 
 
 def private_output(fd: int = 1) -> None:
@@ -210,29 +269,47 @@ def _attempts(
     say: Callable[[str], None],
     stop: _Stop,
     restarts: int,
+    record: Attempts,
 ) -> int:
     """The job on the allocation; with ddp_on_node_loss: restart (job "recovery"), again on the other
     nodes each time a node went away inside it (sbatch --no-kill keeps the allocation: a new step with
     srun --exclude, preflight first, resuming from the newest checkpoint with the global batch kept), as
-    long as ddp_max_node_losses and ddp_min_nodes allow. The batch script's exit code."""
+    long as ddp_max_node_losses and ddp_min_nodes allow, counting the nodes earlier allocations lost
+    (`record`). The batch script's exit code."""
+    from ddp_train.launch.plan.plan import KEEP_GLOBAL_BATCH
+
     policy = job.get("recovery") or {}
-    lost: list[str] = []
+    restart = policy.get("mode") == "restart"
+    kept = (
+        "the global batch kept"
+        if KEEP_GLOBAL_BATCH in (job.get("resume_argv") or [])
+        else "its argv as given"
+    )
+    if restart and record.lost:  # lost in an allocation before this one (its batch host, its nodes)
+        left = [h for h in hosts if h not in record.lost_hosts]
+        if why := limit_reached(len(record.lost), len(left), policy):
+            say(f"ddp-slurm: job {slurm_job}: giving up: {why} ({', '.join(record.lost_hosts)} lost)")
+            return 1
     while True:
-        live = [h for h in hosts if h not in lost]
-        code, gone = _run(job, slurm_job, live, out_dir, say, stop, restarts, excluded=lost)
-        if not gone or stop.signum or policy.get("mode") != "restart":
+        excluded = [h for h in hosts if h in record.lost_hosts] if restart else []
+        live = [h for h in hosts if h not in excluded]
+        n = record.next()
+        if n > 1 and restart and record.lost:
+            say(
+                f"ddp-slurm: job {slurm_job}: attempt {n} on {','.join(live)} without "
+                f"{','.join(record.lost_hosts)} (lost {len(record.lost)} of ddp_max_node_losses "
+                f"{policy.get('max_losses')}): it resumes from the newest checkpoint, {kept}"
+            )
+        stop.detach()  # the stop line goes to this attempt's step, not to the ended one
+        code, gone = _run(job, slurm_job, live, out_dir, say, stop, restarts, excluded=excluded)
+        if not gone or stop.signum or not restart:
             return code
-        why = limit_reached(len(lost) + len(gone), len(live) - len(gone), policy)
+        why = limit_reached(len(record.lost) + len(gone), len(live) - len(gone), policy)
+        for host in gone:
+            record.lose(host, f"did not end with the other nodes of attempt {n} (srun --wait)")
         if why:
             say(f"ddp-slurm: job {slurm_job}: giving up: {why}")
             return code
-        lost += gone
-        live = [h for h in hosts if h not in lost]
-        say(
-            f"ddp-slurm: job {slurm_job}: attempt {len(lost) + 1} on {','.join(live)} without "
-            f"{','.join(lost)} (lost {len(lost)} of ddp_max_node_losses {policy.get('max_losses')}): it "
-            "resumes from the newest checkpoint, the global batch kept"
-        )
         job = {**job, "argv": job.get("resume_argv") or job["argv"]}
 
 
@@ -411,14 +488,19 @@ class _Stop:
         if self.signum:
             self._send()
 
+    def detach(self) -> None:
+        """Between two steps (an in-allocation restart): a stop until the next attach waits for it."""
+        with self.lock:
+            self.stdin = None
+
     def _send(self) -> None:
         with self.lock:
             if self.sent or self.stdin is None:
                 return
-            self.sent = True
             try:
                 self.stdin.write(STOP)
                 self.stdin.flush()
+                self.sent = True
             except (OSError, ValueError):
                 pass
 
