@@ -420,12 +420,15 @@ def _fetch_parsers(sub: Any) -> None:
     r = sub.add_parser(
         "restart",
         prog="ddp-launch restart",
-        usage="ddp-launch restart [--log-dir DIR] JOB [launch options]",
+        usage="ddp-launch restart [--log-dir DIR] [--hosts INVENTORY] JOB [launch options]",
         description="Run a job's recorded command again (job.json), from its directory, as a new job that "
         "resumes from the newest checkpoint: its --job-id and --fresh are dropped, the inventory is read "
         "again, a masked --env NAME comes from this shell's $NAME. Launch options given here (e.g. "
-        "--exclude node0) are added after the recorded ones.",
+        "--exclude node0) are added after the recorded ones. On a machine without the job's record, --hosts "
+        "INVENTORY (before JOB) takes the command from job.json on the monitor host that inventory names and "
+        "runs it from this directory with that inventory.",
     )
     r.add_argument("--log-dir", default="logs", metavar="DIR", help="where the jobs' logs are [logs]")
+    _monitor_lookup(r)
     r.add_argument("job", metavar="JOB", help="job id (as `ddp-launch jobs` lists it)")
     r.add_argument("extra", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)

@@ -171,6 +171,14 @@ def test_the_job_outlives_the_laptop_and_is_found_from_anywhere(bed: Testbed, tm
         there = Path(json.loads((tmp_path / "monitor" / job / "job.json").read_text())["metrics"]["path"])
         there = there if there.is_absolute() else tmp_path / "work" / there  # the nodes share /tmp with us
         assert (other / "got" / "metrics.jsonl").read_bytes() == there.read_bytes()
+        again = launch(["restart", "--hosts", str(inv), job, "--job-id", "dt-again"], other, laptop2)
+        assert again.returncode == 0 and f"restart of job {job} in {other}: " in again.stdout, again.stdout
+        assert "job dt-again runs detached on 3 nodes" in again.stdout, again.stdout
+        resumed = wait_for("the restart to finish", lambda: state(tmp_path, "dt-again").get("state") ==
+                           "finished" and state(tmp_path, "dt-again"), timeout=120)  # fmt: skip
+        assert resumed["exit_code"] == 0, resumed
+        log = (tmp_path / "monitor" / "dt-again" / "node0.log").read_text()
+        assert re.search(r"resumed from \S+step-00000060\.pt at step 60 of job dt-laptop", log), log
 
         started = launch([*base, "--set", "train.max_steps=2000", "--set", "debug.step_delay_s=0.2",
                           "--job-id", long_job], tmp_path, env)  # fmt: skip
@@ -190,3 +198,4 @@ def test_the_job_outlives_the_laptop_and_is_found_from_anywhere(bed: Testbed, tm
     finally:
         kill_job(job)
         kill_job(long_job)
+        kill_job("dt-again")

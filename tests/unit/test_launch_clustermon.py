@@ -238,8 +238,18 @@ def test_job_commands_ask_the_inventorys_monitor_host_for_a_job_not_known_here(
     with pytest.raises(fetch.LaunchError, match="rank 0's host n7 is not in"):
         fetch.fetch("j", {**job, "metrics": {"host": "n7", "path": "/w/m"}}, "metrics", str(tmp_path),
                     hosts=[inv], extra_vars=[])  # fmt: skip
-    with pytest.raises(fetch.LaunchError, match="restart it from the machine that launched it"):
-        fetch.load("j", "logs", command=True, hosts=[inv], extra_vars=[])
+    # restart from here: job.json's command, this directory, this inventory instead of the recorded one
+    data = fetch.load("j", "logs", command=True, hosts=[inv], extra_vars=[])
+    assert (data["argv"], data["cwd"], data["hosts"]) == (job["argv"], str(tmp_path), [inv])
+    from ddp_train.launch.jobs import recorded
+
+    argv = recorded.restart_argv("j", {**data, "argv": ["-ielsewhere/inv", "--hosts", "x", "--detach"]},
+                                 ["--exclude", "n1"])  # fmt: skip
+    assert argv == ["run", "--detach", "--hosts", inv, "--set", "train.global_batch=auto", "--exclude", "n1"]
+    from ddp_train.launch.cliparse import build_parser
+
+    opts = build_parser().parse_args(["restart", "--hosts", inv, "j", "--exclude", "n1"])
+    assert (opts.hosts, opts.job, opts.extra) == ([inv], "j", ["--exclude", "n1"])
     capsys.readouterr()
     assert main(["status", "j"]) == 2  # neither here nor --hosts: say how
     assert "a job detached from another machine: add --hosts INVENTORY" in capsys.readouterr().err

@@ -126,7 +126,8 @@ def load(job_id: str, log_dir: str, command: bool = False, hosts: list[str] | No
     """job.json of JOB under log_dir, else from its monitor on the cluster (this machine's record of the
     job, or the monitor host `hosts` names: clustermon.found_record); LaunchError (one line) for a bad id
     or a missing job. `command`: the recorded command is enough (restart), which this machine's record
-    of a job monitored on the cluster keeps."""
+    of a job monitored on the cluster keeps; without it, with `hosts`, job.json's command on the monitor
+    host, to run from this directory on `hosts`' nodes (data "hosts": recorded.restart_argv)."""
     from ddp_train.launch.jobs import jobstate
     from ddp_train.launch.jobs.jobcmds import JOB_ID
 
@@ -141,6 +142,10 @@ def load(job_id: str, log_dir: str, command: bool = False, hosts: list[str] | No
         if where and command and "argv" in record:
             kept = ("argv", "cwd", "master", "master_addr")
             return {"job_id": job_id, **{k: record[k] for k in kept if k in record}}
+        if where and command and hosts:  # another machine: job.json's command, run from here, --hosts' nodes
+            data = monitor_state(record, connect_timeout)
+            kept = {k: data[k] for k in ("argv", "master", "master_addr") if k in data}
+            return {"job_id": job_id, **kept, "cwd": os.getcwd(), "hosts": list(hosts)}
         if where and not command:  # its job.json is with its monitor on the cluster (--detach)
             data = monitor_state(record, connect_timeout)
             # the cwd there is the monitor's; the command's own is this machine's record's (none: --hosts)
@@ -152,7 +157,8 @@ def load(job_id: str, log_dir: str, command: bool = False, hosts: list[str] | No
             raise LaunchError(
                 f"no job {job_id!r} in {log_dir}/: its monitor and job.json are on {where} "
                 "(ddp_monitor_host) and this machine has no record of its command: restart it from the "
-                "machine that launched it, or run the job's command again with --exclude"
+                "machine that launched it, or from a copy of its project directory here with `ddp-launch "
+                "restart --hosts INVENTORY JOB`"
             )
         hint = "" if hosts else "; a job detached from another machine: add --hosts INVENTORY"
         raise LaunchError(f"no job {job_id!r} in {log_dir}/{hint}")

@@ -1,7 +1,9 @@
 """A job's recorded command (job.json "argv", secrets masked, and "cwd"): read back for `restart` and
 `fetch`, with the inventory re-read as it is now.
 
-`ddp-launch restart JOB [OPTIONS]` runs that command again from the recorded directory, as a new job: its
+`ddp-launch restart JOB [OPTIONS]` runs that command again from the recorded directory, as a new job (on
+a machine without that record, `restart --hosts INVENTORY JOB` takes the command from job.json on the
+monitor host, and runs it from this directory with that inventory instead of the recorded one): its
 --job-id and --fresh are dropped (a restart continues from the newest checkpoint, and says so on its
 first line; a detached job detaches again), OPTIONS (e.g. `--exclude node0`) go after the recorded
 options, before the script or `--`. The packaged trainer gets `--set train.global_batch=auto` (unless the
@@ -105,16 +107,22 @@ def restart_argv(job_id: str, data: dict[str, Any], extra: list[str]) -> list[st
     args, opts = parsed(job_id, data)
     rest = list(opts.rest)
     options = args[1 : len(args) - len(rest)]
+    given = data.get("hosts")  # restart --hosts INVENTORY JOB on another machine: that inventory
+    dropped = {**DROPPED, "--hosts": 1, "-i": 1} if given else DROPPED
     kept: list[str] = []
     i = 0
     while i < len(options):
         a = options[i]
         name = a.split("=", 1)[0]
-        if name in DROPPED:
-            i += 1 + (DROPPED[name] if "=" not in a else 0)
+        if name in dropped:
+            i += 1 + (dropped[name] if "=" not in a else 0)
+            continue
+        if given and a.startswith("-i") and not a.startswith("--"):  # -iINVENTORY
+            i += 1
             continue
         kept.append(a)
         i += 1
+    kept += [a for h in given or [] for a in ("--hosts", h)]
     if "--monitor" in options:  # a detached job's monitor recorded it: detached again
         kept.append("--detach")
     from ddp_train.launch.plan.plan import global_batch_kept
