@@ -47,6 +47,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from ddp_train import cachedirs
 from ddp_train.console import emit_line
@@ -143,12 +145,50 @@ def _torchrun_argv(argv: list[str], private: str | None) -> list[str]:
     return [argv[0], "--log-dir", os.path.join(private, TORCHRUN_LOGS), *argv[1:]]
 
 
+# The signals torchrun's handler turns into SignalException (torch 2.13 elastic/multiprocessing/api.py:
+# PContext.start registers _terminate_process_handler for TORCHELASTIC_SIGNALS_TO_HANDLE, default
+# "SIGTERM,SIGINT,SIGHUP,SIGQUIT"; the handler raises on every signal).
+TORCH_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+@contextlib.contextmanager
+def _first_stop_only() -> Iterator[None]:
+    """torchrun's stop handler raises for the first stop signal only. A later one (the launcher's stop
+    reaching the node's session again) raised a second SignalException wherever the first was being
+    handled: inside torchrun's shutdown of its workers, or in this module's own except clause, a
+    traceback and exit 1 instead of the agent's line and 143 (tests/unit/test_launch_stop.py, seen under
+    load). The handlers torchrun installs while it runs are wrapped; one flag for all of them."""
+    real = signal.signal
+    fired: list[int] = []
+
+    def once(handler: Callable[[int, Any], Any]) -> Callable[[int, Any], Any]:
+        def first_only(signum: int, frame: Any) -> Any:
+            if fired:
+                return None  # stopping already: torchrun ends its workers once
+            fired.append(signum)
+            return handler(signum, frame)
+
+        return first_only
+
+    def install(signum: int, handler: Any) -> Any:
+        if signum in TORCH_STOP_SIGNALS and callable(handler):
+            handler = once(handler)
+        return real(signum, handler)
+
+    signal.signal = install  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        signal.signal = real
+
+
 def _run_torchrun(argv: list[str]) -> tuple[int, str | None]:
     """Run torchrun's script here; (exit code, the line that says how it ended, if it needs one)."""
     torchrun = argv[0]
     sys.argv = list(argv)
     try:
-        runpy.run_path(torchrun, run_name="__main__")
+        with _first_stop_only():
+            runpy.run_path(torchrun, run_name="__main__")
     except SystemExit as e:
         code = e.code
         return (code if isinstance(code, int) else (0 if code is None else 1)), None

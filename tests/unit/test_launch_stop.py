@@ -189,3 +189,30 @@ def test_agent_ends_with_its_line_and_143_when_stop_signals_keep_coming(tmp_path
             "ddp-agent: SIGTERM: torchrun stopped its workers (each saves first); exit 143"
         ), err
         assert "Traceback" not in err, err
+
+
+def test_only_the_first_stop_signal_reaches_torchruns_handler() -> None:
+    """The cause of the test above's rare failure under load: a second SIGTERM raised a second
+    SignalException inside the agent's handling of the first (exit 1, a traceback). Inside the agent,
+    the handlers torchrun installs for its stop signals raise for the first one only."""
+    import signal as sig
+
+    from ddp_train import agent
+
+    def raising(signum: int, _frame: object) -> None:
+        raise RuntimeError(signum)
+
+    before = {s: sig.getsignal(s) for s in (sig.SIGTERM, sig.SIGINT)}
+    real = sig.signal
+    try:
+        with agent._first_stop_only():
+            sig.signal(sig.SIGTERM, raising)
+            sig.signal(sig.SIGINT, raising)
+            with pytest.raises(RuntimeError):
+                sig.raise_signal(sig.SIGTERM)
+            sig.raise_signal(sig.SIGTERM)  # stopping already: nothing raised
+            sig.raise_signal(sig.SIGINT)
+        assert sig.signal is real  # the agent's wrapper lives only while torchrun runs
+    finally:
+        for s, h in before.items():
+            sig.signal(s, h)
