@@ -32,9 +32,12 @@ def el9(venv_bin):
 
 
 def test_verify_refuses_gloo_on_gpu_nodes(el9, playbook):
-    """The venv has torch's CPU build: the allreduce works, with gloo, and that is a failure on GPU nodes."""
+    """The venv has torch's CPU build: the allreduce works, with gloo, and that is a failure on GPU nodes.
+    Before it, the compile check passed on both: the role installed python3.11-devel and gcc, and a
+    torch.compile'd function ran on the CPU (the hosts have no Python headers without the package)."""
     res = playbook(*INVENTORY, "playbooks/verify.yml")
     assert res.returncode == 2, res.out[-3000:]
+    assert "ddp-compilecheck" not in res.out and "cannot build a C extension" not in res.out, res.out[-3000:]
     for node in ("node0", "node1"):
         assert f"{node} has 8 NVIDIA GPUs but the allreduce ran with gloo, not nccl" in res.out, res.out[
             -3000:
@@ -53,3 +56,20 @@ def test_verify_names_a_port_range_another_sysctl_file_undid(el9, playbook):
         "node1: net.ipv4.ip_local_port_range is 32768-60999, not the 50000-51999 the firewall opens"
         in res.out
     )
+
+
+def test_verify_catches_a_node_without_the_python_headers(el9, playbook):
+    """A node without python3.11-devel fails in site.yml's verify, in one line naming the package, not at
+    the first compiled training step (Triton builds its launcher against Python.h there)."""
+    sh(el9, 1, "rpm -e --nodeps python3.11-devel && test ! -e /usr/include/python3.11/Python.h")
+    try:
+        res = playbook(*INVENTORY, "playbooks/verify.yml", "-e", "verify_torch_compile=false")
+    finally:
+        sh(el9, 1, "dnf -q -y install python3.11-devel")
+    assert res.returncode == 2, res.out[-3000:]
+    assert re.search(
+        r"node1: \S+ cannot build a C extension against Python 3\.11's headers \(/usr/include/python3\.11\): "
+        r".*Python\.h: No such file or directory; install the Python 3\.11 headers \(EL: python3\.11-devel",
+        res.out,
+    ), res.out[-3000:]
+    assert "node0: " not in res.out.split("TASK [Check that the node compiles]")[1].split("TASK [")[0]

@@ -127,7 +127,7 @@ DNF_PLUGINS = "lib/python3/dist-packages/dnf-plugins"
 HIDE_USR = tuple(
     f"{DNF_PLUGINS}/{p}.py"
     for p in ("versionlock", "local", "post-transaction-actions", "leaves", "show_leaves", "modulesync")
-)
+) + ("include/python3.11",)  # the Python headers come with python3.11-devel / python3-devel (manifest)
 UNAME_SHIM = "/usr/local/lib/ddp-sim/uname-booted-kernel.so"
 REBOOT = "/usr/local/sbin/ddp-sim-reboot"
 
@@ -575,6 +575,9 @@ def _stage(p: Pkg, stage: Path, repo_urls: dict) -> None:
         dst.parent.mkdir(parents=True, exist_ok=True)
         if "symlink" in s:
             dst.symlink_to(s["symlink"])
+            continue
+        if "host_tree" in s:  # a directory of this machine's, whole (%files lists it: recursive)
+            shutil.copytree(s["host_tree"], dst, symlinks=True)
             continue
         if "stub" in s:
             content = (STUBS / s["stub"]).read_text().replace("@V@", p.version)
