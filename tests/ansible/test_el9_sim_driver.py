@@ -12,6 +12,7 @@ from tests.ansible.el_sim import SIM, gpu_converged, recaps, sh
 
 # The module's converge counts towards its first test's 600 s; under `pytest -n 4` it took longer.
 pytestmark = [pytest.mark.testbed, pytest.mark.slow, pytest.mark.timeout(1800)]
+MOK = "/var/lib/dkms/mok.pub"  # the certificate DKMS signs with (nvidia_driver_mok_certificate)
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +38,11 @@ def test_a_gpu_host_with_a_broken_driver_fails_with_the_reason(case, el9, invent
             "nvidia-smi -i 3 -mig 0 >/dev/null",
             "node0: MIG mode is on for GPU 3: DDP expects whole GPUs",
         ),
+        # DKMS's certificate enrolled (else preflight refuses before anything: test_el9_sim_check.py), and
+        # still the module is rejected (signed with another key).
         "secure_boot": (
-            f"touch {SIM}/secureboot-rejects; /usr/local/sbin/ddp-sim-reboot",
-            f"rm -f {SIM}/secureboot-rejects; /usr/local/sbin/ddp-sim-reboot",
+            f"touch {SIM}/secureboot-rejects {SIM}/mok-enrolled {MOK}; /usr/local/sbin/ddp-sim-reboot",
+            f"rm -f {SIM}/secureboot-rejects {SIM}/mok-enrolled {MOK}; /usr/local/sbin/ddp-sim-reboot",
             "node0: 8 NVIDIA GPUs but the driver is not loaded "
             "(/var/lib/ddp-sim/proc/driver/nvidia is missing): "
             "Secure Boot is enabled and rejects the DKMS-built module",
