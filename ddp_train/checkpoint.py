@@ -20,12 +20,13 @@ import time
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from ddp_train import distributed, storage
+from ddp_train.asyncsave import BackgroundSave
 from ddp_train.config import Config, ConfigError
 from ddp_train.digest import file_sha256
 from ddp_train.distributed import DistEnv
@@ -144,19 +145,6 @@ def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on a directory; the rename is still atomic
-    finally:
-        os.close(fd)
-
-
 def save(state: dict[str, Any], directory: Path, step: int, delay_s: float = 0.0) -> Path:
     """Write `state` as step-NNNNNNNN.pt atomically: temp file, flush, fsync, rename, fsync dir."""
     return save_file(state, directory / checkpoint_name(step), delay_s)
@@ -165,27 +153,13 @@ def save(state: dict[str, Any], directory: Path, step: int, delay_s: float = 0.0
 def save_file(state: dict[str, Any], final: Path, delay_s: float = 0.0) -> Path:
     """Write `state` to `final` atomically (also best.pt, which no listing or pruning ever sees)."""
     replica_info(final).unlink(missing_ok=True)  # this node's own save: no longer a replica
-    return publish(final, lambda f: torch.save(state, f), delay_s)
+    return storage.publish(final, lambda f: torch.save(state, f), delay_s)
 
 
-def publish(final: Path, write: Callable[[BinaryIO], object], delay_s: float = 0.0) -> Path:
-    """Give `final` the bytes write() puts in a temp file: flush, fsync, rename, fsync the directory."""
-    directory = final.parent
-    storage.own_dir(directory)  # this user's, nobody else's links in it (issue #44)
-    tmp = directory / (final.name + ".tmp")
-    try:
-        with open(tmp, "wb", opener=lambda p, _: storage.create_new(p, 0o666)) as f:  # O_EXCL|O_NOFOLLOW
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        if delay_s:
-            time.sleep(delay_s)  # test hook: a window in which the writer can be killed
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(directory)
-    return final
+def best_state(weights: dict[str, Any], step: int, best: dict[str, Any], config: dict[str, Any]) -> dict:
+    """best.pt written on its own: the weights alone, a third of a full checkpoint under AdamW."""
+    return {"format": BEST_FORMAT, "step": step, "best": dict(best), "model": weights, "config": config,
+            "torch_version": str(torch.__version__)}  # fmt: skip
 
 
 def kept(directory: Path) -> str:
@@ -215,7 +189,7 @@ def replica_info(path: Path) -> Path:
 
 def write_replica_info(path: Path, info: dict[str, Any]) -> None:
     """Record (atomically) that `path` is a replica with this sha256 and origin, before it is published."""
-    publish(replica_info(path), lambda f: f.write(json.dumps(info).encode()))
+    storage.publish(replica_info(path), lambda f: f.write(json.dumps(info).encode()))
 
 
 def check_replica(path: Path) -> str | None:
@@ -389,6 +363,7 @@ class Checkpointer:
         interval_steps: int = 0,
         best_path: Path | None = None,
         replicas: Replication | None = None,
+        async_save: bool = False,
     ) -> None:
         self.directory, self.rank, self.local_rank = directory, rank, local_rank
         self.resume, self.keep_latest_k = resume, keep_latest_k
@@ -397,6 +372,8 @@ class Checkpointer:
         # <run dir>/best.pt: beside checkpoints/, so keep_latest_k rotation never sees it
         self.best_path = best_path
         self.replicas: Replication = replicas if replicas is not None else NoReplication()
+        # rank 0's writes in a thread, after a copy to host memory (asyncsave.py); None: in the step
+        self.background = BackgroundSave() if async_save and rank == 0 else None
 
     @classmethod
     def from_config(
@@ -416,6 +393,7 @@ class Checkpointer:
             interval_steps=c.interval_steps,
             best_path=cfg.run_dir / "best.pt",
             replicas=replicas,
+            async_save=c.async_save,
         )
 
     def due(self, step: int, last: bool) -> bool:
@@ -498,14 +476,24 @@ class Checkpointer:
         step: int,
         path: Path | None = None,
         note: str = "",
+        best: dict[str, Any] | None = None,
     ) -> None:
         """Gather every rank's `local` (its RNG state); rank 0 writes build(gathered) atomically as the
-        checkpoint of `step` (or to `path`, e.g. best.pt, outside the rotation); all wait for it."""
+        checkpoint of `step` (or to `path`, e.g. best.pt, outside the rotation); all wait for it, or, with
+        checkpoint.async_save, for its copy to host memory while a thread writes (a failure of the
+        previous background save is this save's). `best` (a new best val loss at this step): best.pt
+        becomes a hard link to this checkpoint, not a second write."""
         gathered = distributed.all_gather_objects(local)
         what = f"its checkpoint of step {step}" if path is None else f"its {path.name} of step {step}"
         if self.rank == 0:
             try:
-                self._write(build(gathered), step, path, note)
+                if self.background is None:
+                    self._write(build(gathered), step, path, note, best)
+                else:
+                    self.background.wait()  # at most one in flight, and its host buffers free again
+                    state = self.background.snapshot.copy(build(gathered))
+                    write = lambda: self._write(state, step, path, note, best)  # noqa: E731
+                    self.background.start(write, f"step {step}")
             except UserError as exc:  # a StorageError, or a RefusedPath (storage.own_dir)
                 # the others stop with one line naming this failure instead of a lost connection
                 distributed.wait_for_io(0, self.io_timeout_s, what, failed=str(exc))
@@ -514,8 +502,19 @@ class Checkpointer:
         distributed.wait_for_io(0, self.io_timeout_s, what)
 
     def finish(self) -> None:
-        """After the run's last save (every rank): rank 0 waits for its replica, or says it did not
-        complete; the others wait on the store, so the receiving rank is still there to finish it."""
+        """After the run's last save (every rank): rank 0 waits for its background write, then for its
+        replica, or says it did not complete; the others wait on the store, so the receiving rank is
+        still there to finish it."""
+        failed: UserError | None = None
+        if self.background is not None:
+            try:
+                self.background.wait()
+            except UserError as exc:  # a StorageError of the last save: every rank stops with its line
+                failed = exc
+        distributed.wait_for_io(0, self.io_timeout_s, "the write of its last checkpoint",
+                                failed=str(failed) if failed else None)  # fmt: skip
+        if failed is not None:
+            raise failed
         if self.rank == 0:
             # half the others' wait: a stalled replica is a warning here, never their TimeoutError
             self.replicas.finish(self.io_timeout_s / 2)
@@ -531,20 +530,15 @@ class Checkpointer:
         keeps the best val loss."""
 
         def build(_rngs: list[Any]) -> dict[str, Any]:
-            return {
-                "format": BEST_FORMAT,
-                "step": step,
-                "best": dict(best),
-                "model": weights,
-                "config": config,
-                "torch_version": str(torch.__version__),
-            }
+            return best_state(weights, step, best, config)
 
         assert self.best_path is not None, "Checkpointer without a best_path"
         note = f" (val_loss {best['val_loss']:.4f} at step {step})"
         self.save(None, build, step, self.best_path, note)
 
-    def _write(self, state: dict[str, Any], step: int, path: Path | None, note: str) -> None:
+    def _write(
+        self, state: dict[str, Any], step: int, path: Path | None, note: str, best: dict | None = None
+    ) -> None:
         t0 = time.perf_counter()
         final = self.directory / checkpoint_name(step) if path is None else path
         operation = f"saving checkpoint step {step}" if path is None else f"saving {path.name} of step {step}"
@@ -559,5 +553,24 @@ class Checkpointer:
         # "saved ... in N.NNs": ddp-launch reads it to size the grace period of a stop (launch/run/job.py)
         seconds = time.perf_counter() - t0
         logging.getLogger("ddp_train").info("saved %s in %.2fs%s", final, seconds, deleted)
+        if path is None and best is not None:
+            self._link_best(final, state, step, best)
         if path is None:
             self.replicas.send(final)  # in the background: the next step does not wait for it
+
+    def _link_best(self, final: Path, state: dict[str, Any], step: int, best: dict[str, Any]) -> None:
+        """best.pt as a hard link to this step's checkpoint; written on its own (the weights alone) where
+        a link cannot be made (checkpoint.dir on another filesystem than the run directory)."""
+        assert self.best_path is not None, "Checkpointer without a best_path"
+        note = f" (val_loss {best['val_loss']:.4f} at step {step})"
+        what = f"linking {self.best_path.name} to {final.name}"
+        with storage.guarded(what, self.best_path, lambda: kept(self.directory)):
+            try:
+                storage.link(final, self.best_path)
+            except OSError as exc:
+                log.info("%s cannot be a link to %s (%s): writing the weights alone", self.best_path.name,
+                         final.name, exc.strerror)  # fmt: skip
+                alone = best_state(state["model"], step, best, state["config"])
+                self._write(alone, step, self.best_path, note)
+                return
+        logging.getLogger("ddp_train").info("%s is %s%s (a hard link)", self.best_path, final.name, note)

@@ -123,6 +123,7 @@ class CheckpointConfig:
     resume: str = "auto"
     io_timeout_s: float = 1800.0
     replicas: int = 1
+    async_save: bool = True  # rank 0 writes in a thread after a copy to host memory (asyncsave.py)
 
 
 @dataclass
@@ -132,6 +133,7 @@ class DistConfig:
     init_timeout_s: float = 300.0
     collective_timeout_s: float = 300.0
     compile_timeout_s: float = 1800.0
+    bucket_cap_mb: float = 25.0  # DDP's gradient buckets (torch's default 25)
 
 
 @dataclass

@@ -102,14 +102,15 @@ def select_backend(cfg: DistConfig, device: torch.device) -> str:
     return cfg.backend
 
 
-def wrap(model: nn.Module, env: DistEnv, device: torch.device) -> nn.Module:
+def wrap(model: nn.Module, env: DistEnv, device: torch.device, bucket_cap_mb: float = 25.0) -> nn.Module:
     """`model` in DDP when there are ranks to average with, else `model` itself: one rank has nothing
     to average, and DDP would only copy gradients into buckets, all-reduce them with itself and split
-    a compiled graph at every bucket (DDPOptimizer)."""
+    a compiled graph at every bucket (DDPOptimizer). `bucket_cap_mb`: dist.bucket_cap_mb, the size of
+    DDP's gradient buckets (torch's default 25; bench C2 sweeps it)."""
     if not (env.distributed and env.world_size > 1):
         return model
     ids = [device.index] if device.type == "cuda" else None
-    return DDP(model, device_ids=ids, gradient_as_bucket_view=True)
+    return DDP(model, device_ids=ids, gradient_as_bucket_view=True, bucket_cap_mb=bucket_cap_mb)
 
 
 def settle_buckets(model: nn.Module, loss: Callable[[], torch.Tensor], device: torch.device) -> None:

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ddp_train import checkpoint
+from ddp_train import checkpoint, storage
 from ddp_train.config import Config
 from ddp_train.distributed import DistEnv
 
@@ -183,7 +183,7 @@ class Receiver:
                 )
             checkpoint.write_replica_info(final, {"sha256": sent, "from": header.get("host"), "size": size})
 
-        checkpoint.publish(final, write)
+        storage.publish(final, write)
         checkpoint.prune(self.directory, self.keep_latest_k)
         conn.sendall(f"ok {digest.hexdigest()}\n".encode())
 

@@ -14,9 +14,10 @@ import errno
 import os
 import shutil
 import stat
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, BinaryIO
 
 from ddp_train.errors import UserError
 
@@ -258,3 +259,52 @@ def _no_follow(path: str, flags: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on a directory; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def publish(final: Path, write: Callable[[BinaryIO], object], delay_s: float = 0.0) -> Path:
+    """Give `final` the bytes write() puts in a temp file: flush, fsync, rename, fsync the directory."""
+    directory = final.parent
+    own_dir(directory)  # this user's, nobody else's links in it (issue #44)
+    tmp = directory / (final.name + ".tmp")
+    try:
+        with open(tmp, "wb", opener=lambda p, _: create_new(p, 0o666)) as f:  # O_EXCL|O_NOFOLLOW
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        if delay_s:
+            time.sleep(delay_s)  # test hook: a window in which the writer can be killed
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(directory)
+    return final
+
+
+def link(target: Path, final: Path) -> Path:
+    """`final` as a hard link to `target`, atomically (a linked temp name, rename, fsync the directory);
+    OSError where the two lie on different filesystems."""
+    own_dir(final.parent)
+    tmp = final.with_name(final.name + ".tmp")
+    tmp.unlink(missing_ok=True)  # a left-over, or a planted link: replaced, never followed
+    os.link(target, tmp, follow_symlinks=False)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(final.parent)
+    return final

@@ -125,6 +125,7 @@ class Trainer:
         self.stop = stop or StopRequest()
         self.hooks = DebugHooks(cfg, env.rank)
         self.step, self.last_loss, self.saved_step = 0, float("nan"), -1
+        self.best_pending: dict[str, Any] | None = None  # a new best of this step, for its checkpoint
         self.best = BestValLoss()
         self.meter: StepMeter | None = None
         self.steplog: StepLog | None = None
@@ -161,7 +162,7 @@ class Trainer:
             checkpoint.seed_rng(cfg.seed + env.rank)
         # validation needs no DDP: no gradient, so no reducer or buffer broadcast
         self.eval_model: nn.Module = torch.compile(self.model) if t.compile else self.model
-        self.train_model = distributed.wrap(self.eval_model, env, device)
+        self.train_model = distributed.wrap(self.eval_model, env, device, cfg.dist.bucket_cap_mb)
         self._no_sync = distributed.no_sync(self.train_model)
         self._grads_to_none = distributed.grads_to_none(self.train_model)
         self.timeouts = distributed.CompileTimeouts(cfg.dist, t.compile, env.distributed)
@@ -190,7 +191,8 @@ class Trainer:
                 stopped = self._exchange(lr, loss, gnorm, tokens)  # sends this step's, reads the last one's
                 last = self.step == total
                 if self.evaluator and self.evaluator.due(self.step, last) and not stopped:
-                    self.validate()
+                    # a checkpoint of this step follows (periodic, or the end's): best.pt will link to it
+                    self.validate(link_best=self.checkpoints.due(self.step, last) or last)
                 if self.checkpoints.due(self.step, last) and not stopped:
                     stopped = self._report(meter.pop())  # the stop vote of this step, before saving
                     self.save()
@@ -294,8 +296,9 @@ class Trainer:
 
     # --- validation -------------------------------------------------------------------------------
 
-    def validate(self) -> float:
-        """Val loss of the current model on every rank's slice (collective); keeps the best."""
+    def validate(self, link_best: bool = False) -> float:
+        """Val loss of the current model on every rank's slice (collective); keeps the best: best.pt is
+        written now, or with `link_best` made a hard link to the checkpoint this step saves next."""
         assert self.evaluator is not None
         if self.meter is not None:
             # The host runs a step ahead: without this the clock below would start while the device still
@@ -309,7 +312,10 @@ class Trainer:
             self.steplog.val[self.step] = loss
         if self.best.update(loss, self.step) and self.cfg.eval.keep_best:
             best = self.best.state_dict()
-            self.checkpoints.save_best(self.model.state_dict(), self.step, best, self.cfg.to_dict())
+            if link_best:
+                self.best_pending = best
+            else:
+                self.checkpoints.save_best(self.model.state_dict(), self.step, best, self.cfg.to_dict())
         self._pause(time.perf_counter() - t0)  # compute-only tokens/s and MFU; the wall figure keeps it
         return loss
 
@@ -385,7 +391,8 @@ class Trainer:
     def save(self) -> None:
         """A checkpoint of this step: every rank's RNG state gathered, rank 0 writes, all wait for it."""
         t0 = time.perf_counter()
-        self.checkpoints.save(checkpoint.rng_state(self.device), self.state_dict, self.step)
+        best, self.best_pending = self.best_pending, None
+        self.checkpoints.save(checkpoint.rng_state(self.device), self.state_dict, self.step, best=best)
         self.saved_step = self.step
         self._pause(time.perf_counter() - t0)
 

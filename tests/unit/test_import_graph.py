@@ -30,10 +30,10 @@ the plan:            launch.plan
 reaching nodes:      launch.remote
 launcher records:    launch launch.errors launch.plan.inventory launch.jobs.jobstate
 node code:           launch.node
-trainer programs:    trainer prepare agent allreduce
+trainer programs:    trainer prepare agent allreduce compilecheck
 loop parts:          hooks meter replica
-components:          checkpoint data models optim evaluate metrics tbwriter tokenizer plugins workerproc
-                     cachedirs stackdump
+components:          checkpoint asyncsave data models optim evaluate metrics tbwriter tokenizer plugins
+                     workerproc cachedirs stackdump
 collectives:         distributed
 config and storage:  config storage
 base:                __init__ errors text exitcodes digest console cliargs batchplan

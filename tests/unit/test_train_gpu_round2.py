@@ -31,27 +31,31 @@ CONFIGS = Path(trainer.__file__).parent / "configs"
 
 @pytest.mark.slow
 def test_best_pt_holds_the_weights_only_and_loads_into_the_model(tmp_path):
+    """A best of a step without a checkpoint: best.pt is written, the weights alone. A learning rate too
+    small to change the val loss keeps every val loss equal, so the best stays at step 2, which saves no
+    checkpoint (#46: at a checkpoint step best.pt is a hard link to it instead: test_async_save.py,
+    test_train_eval.py)."""
     code, cfg = train(
         tmp_path,
         "model.name=gpt",
         "train.max_steps=4",
+        "train.lr=1e-12",  # moves no weight enough to change the val loss
+        "train.min_lr=1e-13",
         "eval.interval_steps=2",
-        "checkpoint.interval_steps=2",
+        "checkpoint.interval_steps=3",
     )
     assert code == 0
     best = torch.load(cfg.run_dir / "best.pt", weights_only=True)
     full = checkpoint.load(cfg.run_dir / "checkpoints" / "step-00000004.pt")
     # the old best.pt was a second full checkpoint: optimizer (2 AdamW moments per weight), data, RNG
-    assert best["format"] == checkpoint.BEST_FORMAT
+    assert best["format"] == checkpoint.BEST_FORMAT and best["step"] == best["best"]["step"] == 2
     assert not {"optimizer", "scheduler", "data", "rng"} & set(best)
     assert (cfg.run_dir / "best.pt").stat().st_size < 0.5 * (
         cfg.run_dir / "checkpoints" / "step-00000004.pt"
     ).stat().st_size
-    assert best["step"] == best["best"]["step"] and best["step"] in (2, 4)
     model = build_model(load_config(None, ["model.name=gpt"]))
     model.load_state_dict(best["model"])  # usable as is
-    if best["step"] == 4:
-        assert all(torch.equal(best["model"][k], v) for k, v in full["model"].items())
+    assert best["model"].keys() == full["model"].keys()
 
 
 def test_gpu_configs_evaluate_every_hundreds_of_steps():
