@@ -183,8 +183,9 @@ class StepLog:
             "wall_tokens_per_s": round(wall_tok_s, 3),  # wall-clock: nothing left out
             "step_time_s": round(seconds / steps, 6),
         }
-        if self.peak:
+        if self.peak:  # of the compute-only figure, and of the wall clock (nothing paused out: #46)
             record["mfu"] = round(mfu(tok_s, self.flops_per_token, self.peak, world), 5)
+            record["wall_mfu"] = round(mfu(wall_tok_s, self.flops_per_token, self.peak, world), 5)
         val_text = ""
         val = self.val.pop(p.step, None)
         if val is not None:
@@ -196,9 +197,11 @@ class StepLog:
             if best_val is not None:
                 record["best_val_loss"] = round(best_val, 6)
         mfu_text = f" mfu {record['mfu']:.1%}" if "mfu" in record else ""
+        wall_mfu = f" mfu {record['wall_mfu']:.1%}" if "wall_mfu" in record else ""
         line = (
             f"step {p.step}/{cfg.train.max_steps} loss {loss:.4f}{val_text} lr {p.lr:.3g} "
             f"{tok_s:.0f} tok/s {record['step_time_s']:.3f} s/step{mfu_text} wall {wall_tok_s:.0f} tok/s"
+            f"{wall_mfu}"
         )
         self.meter.emit(record, line)  # metrics.jsonl + the log line: the one place a step is reported
 
@@ -212,12 +215,18 @@ class StepLog:
         wall, compute = time.perf_counter() - m.started, m.last_stamp - m.started_clock
         if not (steps and compute > 0):
             return
+        mfus = ""
+        if self.peak:
+            fpt, world = self.flops_per_token, self.world
+            mfus = f"; mfu {mfu(tokens / wall, fpt, self.peak, world):.1%} wall-clock, "
+            mfus += f"{mfu(tokens / compute, fpt, self.peak, world):.1%} compute-only"
         log.info(
             "throughput: %d steps in %.1fs wall: %.0f tok/s wall-clock, %.0f tok/s compute-only "
-            "(%.1fs of eval, checkpoints and delays paused out)",
+            "(%.1fs of eval, checkpoints and delays paused out)%s",
             steps,
             wall,
             tokens / wall,
             tokens / compute,
             wall - compute,
+            mfus,
         )

@@ -27,11 +27,12 @@ def duration(seconds: float | None) -> str:
 
 
 def live_line(step: Step) -> str:
-    """The one-line status: step/max, loss, tokens/s, ETA."""
-    return (
-        f"step {step.step}/{step.total} loss {step.loss:.4f} {step.tokens_per_s:.0f} tok/s "
-        f"ETA {duration(step.eta_s())}"
-    )
+    """The one-line status: step/max, loss, tokens/s on the wall clock (evals and saves included: what an
+    overnight run gets; the compute-only figure where the trainer's line has none), MFU, ETA."""
+    tok_s = step.wall_tokens_per_s if step.wall_tokens_per_s is not None else step.tokens_per_s
+    mfu = f" mfu {step.wall_mfu:.1f}%" if step.wall_mfu is not None else ""
+    eta = duration(step.eta_s())
+    return f"step {step.step}/{step.total} loss {step.loss:.4f} {tok_s:.0f} tok/s{mfu} ETA {eta}"
 
 
 @dataclasses.dataclass

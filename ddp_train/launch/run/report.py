@@ -151,9 +151,12 @@ def summarize(
         verdict = f"FAILED ({end.reason})"
     speed = next((t for r in runs if (t := parse_throughput(log.tail(r.name)))), None)
     if speed:  # issue 31: the wall-clock figure beside the compute-only one, so paused time shows
+        mfu = ""
+        if "mfu" in speed:
+            mfu = f"; mfu {speed['wall_mfu']:.1f}% wall-clock, {speed['mfu']:.1f}% compute-only"
         log.note(
             f"throughput: {speed['wall_tokens_per_s']:.0f} tok/s wall-clock, "
-            f"{speed['tokens_per_s']:.0f} tok/s compute-only ({speed['steps']:.0f} steps, rank 0)"
+            f"{speed['tokens_per_s']:.0f} tok/s compute-only ({speed['steps']:.0f} steps, rank 0){mfu}"
         )
     log.note(f"job {plan.job_id} {verdict} in {elapsed:.1f}s; logs: {log.dir}")
     first_failure = end.cause.name if end.cause else None

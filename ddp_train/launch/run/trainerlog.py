@@ -20,6 +20,10 @@ STEP_LINE = re.compile(
     r"ddp-train\[rank (\d+)\] INFO step (\d+)/(\d+) loss (\S+)(?: .*?)? (\d+(?:\.\d+)?) tok/s "
     r"(\d+(?:\.\d+)?) s/step"
 )
+# after "s/step": the wall-clock figures (meter.StepLog.report), the MFU where the device's peak is known
+WALL_PART = re.compile(
+    r" s/step(?: mfu (\d+(?:\.\d+)?)%)? wall (\d+(?:\.\d+)?) tok/s(?: mfu (\d+(?:\.\d+)?)%)?"
+)
 SAVE_LINE = re.compile(r" INFO saved .+\.pt in (\d+(?:\.\d+)?)s")
 STOPPED_LINE = re.compile(r"ddp-train: stopped rank=(\d+) world=(\d+) step=(\d+) signal=(\w+)")
 # rank 0's first line when it continues a checkpoint (checkpoint.resumed_line)
@@ -27,7 +31,7 @@ RESUMED_LINE = re.compile(r"ddp-train\[rank 0\] INFO resumed from .* at step (\d
 # rank 0's last line of a run (meter.StepLog.run_throughput): wall-clock beside compute-only tokens/s
 THROUGHPUT = re.compile(
     r"ddp-train\[rank 0\] INFO throughput: (\d+) steps in (\d+(?:\.\d+)?)s wall: (\d+) tok/s wall-clock, "
-    r"(\d+) tok/s compute-only"
+    r"(\d+) tok/s compute-only(?:.*; mfu (\d+(?:\.\d+)?)% wall-clock, (\d+(?:\.\d+)?)% compute-only)?"
 )
 
 
@@ -39,6 +43,9 @@ class Step:
     loss: float
     tokens_per_s: float
     step_time_s: float
+    wall_tokens_per_s: float | None = None
+    mfu: float | None = None  # percent, compute-only
+    wall_mfu: float | None = None  # percent, on the wall clock
 
     def eta_s(self) -> float:
         return max(0, self.total - self.step) * self.step_time_s
@@ -52,7 +59,14 @@ def parse_step(line: str) -> Step | None:
         loss = float(m.group(4))
     except ValueError:
         loss = float("nan")
-    return Step(int(m.group(1)), int(m.group(2)), int(m.group(3)), loss, float(m.group(5)), float(m.group(6)))
+    w = WALL_PART.search(line, m.end() - len(" s/step"))
+    wall = {}
+    if w:
+        wall = {"wall_tokens_per_s": float(w.group(2)), "mfu": float(w.group(1)) if w.group(1) else None,
+                "wall_mfu": float(w.group(3)) if w.group(3) else None}  # fmt: skip
+    return Step(
+        int(m.group(1)), int(m.group(2)), int(m.group(3)), loss, float(m.group(5)), float(m.group(6)), **wall
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,12 +88,13 @@ def parse_throughput(lines: list[str]) -> dict[str, float] | None:
     for line in reversed(lines):
         m = THROUGHPUT.search(line)
         if m:
-            steps, wall, wall_tok, tok = m.groups()
+            steps, wall, wall_tok, tok, wall_mfu, mfu = m.groups()
             return {
                 "steps": int(steps),
                 "wall_s": float(wall),
                 "wall_tokens_per_s": float(wall_tok),
                 "tokens_per_s": float(tok),
+                **({"wall_mfu": float(wall_mfu), "mfu": float(mfu)} if mfu else {}),
             }
     return None
 
