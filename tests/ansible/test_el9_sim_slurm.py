@@ -11,15 +11,18 @@ elsl, 10.213.171; elsc and elso (local, openhpc), 10.213.173 and .174; elsm, 10.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.ansible.el_sim import recaps, sh
+from tests.ansible.el_sim import SIM, recaps, sh
 from tests.conftest import private_testbed
 from tests.testbed import el as testbed_el
+from tests.testbed.el import GPU_SLOTS
 
 pytestmark = [pytest.mark.testbed, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -50,6 +53,17 @@ def el9():
             # A fresh EL install has no munge key (EL's munge generates none; the sim's /etc has Debian's).
             devices = " && ".join(f"mknod /run/ddp-sim-gpu/nvidia{g} c 195 {g}" for g in range(GPUS))
             sh(tb, i, f"rm -f /etc/munge/munge.key && mkdir -p /run/ddp-sim-gpu && {devices}")
+            # What a real node's sysfs and loaded driver say of each GPU (gres.conf's Cores=, issue #45 7b):
+            # GPU 0 local to CPU 0 only, GPU 1 to every CPU; the CPUs' topology is this machine's own.
+            for g, slot in enumerate(GPU_SLOTS[:GPUS]):
+                d, proc = f"{SIM}/pci/devices/{slot}", f"{SIM}/proc/driver/nvidia/gpus/{slot}"
+                cpus = "0" if g == 0 else f"0-{os.cpu_count() - 1}"
+                sh(
+                    tb,
+                    i,
+                    f"echo {cpus} > {d}/local_cpulist && mkdir -p {proc} && "
+                    f"printf 'Bus Location: \\t {slot}\\nDevice Minor: \\t {g}\\n' > {proc}/information",
+                )
         yield tb
 
 
@@ -91,8 +105,28 @@ def test_epel_slurm_installs_starts_and_answers_on_el9(el9, slurm_yml):
     key = "stat -c '%U %a' /etc/munge/munge.key && sha256sum < /etc/munge/munge.key"
     keys = [sh(el9, i, key) for i in (0, 1)]
     assert keys[0] == keys[1] and keys[0].startswith("munge 400\n"), keys
+    # Cores= from each GPU's local CPUs, as Slurm's core indexes: CPU 0 is core 0; all CPUs, every core.
+    online = [
+        c for c in Path("/sys/devices/system/cpu").glob("cpu[0-9]*") if (c / "topology/core_id").exists()
+    ]
+    cores = {
+        ((c / "topology/physical_package_id").read_text(), (c / "topology/core_id").read_text())
+        for c in online
+    }
+    gres = [
+        line for line in sh(el9, 0, "cat /etc/slurm/gres.conf").splitlines() if line.startswith("NodeName=")
+    ]
+    prefix = GROUP_VARS["slurm_gpu_device_prefix"]
+    last = f"0-{len(cores) - 1}" if len(cores) > 1 else "0"
+    per_node = (
+        [f"{prefix}[0-1] Cores=0"] if last == "0" else [f"{prefix}0 Cores=0", f"{prefix}1 Cores={last}"]
+    )
+    assert gres == [f"NodeName={n} Name=gpu File={f}" for n in ("node0", "node1") for f in per_node], gres
     sinfo = sh(el9, 0, "sinfo --noheader --Node --format='%N %t %G'").split("\n")
-    assert sorted(filter(None, sinfo)) == [f"node0 idle gpu:{GPUS}", f"node1 idle gpu:{GPUS}"], sinfo
+    # with the GPUs' cores known, %G adds their sockets: "gpu:2(S:0)" (playbooks/slurm.yml reads it so too)
+    seen = sorted(re.sub(r"\(S:[0-9,-]+\)$", "", line) for line in filter(None, sinfo))
+    assert seen == [f"node0 idle gpu:{GPUS}", f"node1 idle gpu:{GPUS}"], sinfo
+    assert all(re.search(r"gpu:\d+\(S:[0-9,-]+\)$", line) for line in filter(None, sinfo)), sinfo
     assert re.search(r"Run hostname on every node in one step\] \*+\nok: \[node0\]", res.out), res.out[-3000:]
 
     again = slurm_yml()
@@ -108,10 +142,14 @@ SOURCES = {
         "is not installed",
     ),
     # OpenHPC 3's release RPM by URL (it requires epel-release, which comes along), then its -ohpc packages.
+    # The release RPM is installed only once rpm finds it signed by the pinned key: here the sim's own key,
+    # which signed every stub RPM (OpenHPC's key, vendored in roles/slurm/files, signed none of them).
     "openhpc": (
         lambda: {
             "slurm_openhpc_release_url": testbed_el.build().repo_url("ohpc-release-download")
-            + "Packages/ohpc-release-3-1.el9.x86_64.rpm"
+            + "Packages/ohpc-release-3-1.el9.x86_64.rpm",
+            "slurm_openhpc_gpgkey_url": testbed_el.build().info["cuda_repo_gpgkey_url"],
+            "slurm_openhpc_gpgkey_fingerprint": testbed_el.build().info["cuda_repo_gpgkey_fingerprint"],
         },
         dict.fromkeys(["slurm-ohpc", "slurm-slurmctld-ohpc", "slurm-slurmd-ohpc"], "@OpenHPC"),
         "epel-release-9-10.el9",

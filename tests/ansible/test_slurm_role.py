@@ -22,7 +22,32 @@ SLURMD_C = (
 NODES = {"gpu-0": ("g0", "10.1.0.10", 8), "gpu-1": ("g1", "10.1.0.11", 8), "cpu-2": ("c2", "10.1.0.12", 0)}
 
 
-def _inventory(tmp_path: Path, nvml: dict[str, bool] | None = None, controller: str = "ctl") -> str:
+def _topology(gpu_cpus: list[str], sockets: int = 2, cores: int = 24, alternate: bool = False) -> list[str]:
+    """What tasks/facts.yml reads on a node with 8 GPUs and 2 x 24 cores x 2 threads (96 CPUs): `gpu <slot>
+    <minor> <local_cpulist>` and `cpu <id> <package> <core_id>`. The kernel numbers the first threads
+    0-47 and their siblings 48-95; by socket (0-23 socket 0) or, as some BIOSes do, alternately (even CPUs
+    socket 0). core_id as Xeons report it, with gaps (0-5, 8-13, 16-21, 24-29)."""
+    core_ids = [c + 2 * (c // 6) for c in range(cores)]
+    lines = [f"gpu 0000:{0x1B + 16 * i:02x}:00.0 {i} {cpus}" for i, cpus in enumerate(gpu_cpus)]
+    for cpu in range(2 * sockets * cores):
+        first = cpu % (sockets * cores)  # the core's first thread
+        sock, core = (first % sockets, first // sockets) if alternate else divmod(first, cores)
+        lines.append(f"cpu {cpu} {sock} {core_ids[core]}")
+    return lines
+
+
+# Recorded topologies of gpu-0 and gpu-1: four GPUs on each socket.
+TOPOLOGY = {
+    "gpu-0": _topology(["0-23,48-71"] * 4 + ["24-47,72-95"] * 4),
+    "gpu-1": _topology(
+        [",".join(map(str, range(0, 96, 2)))] * 4 + [",".join(map(str, range(1, 96, 2)))] * 4, alternate=True
+    ),
+}
+
+
+def _inventory(
+    tmp_path: Path, nvml: dict[str, bool] | None = None, controller: str = "ctl", topology: dict | None = None
+) -> str:
     """gpu_nodes with the facts the role records; the controller is a host of its own (not a node)."""
     nvml = nvml or {}
     hosts = {
@@ -35,6 +60,8 @@ def _inventory(tmp_path: Path, nvml: dict[str, bool] | None = None, controller: 
         }
         for name, (hostname, ip, gpus) in NODES.items()
     }
+    for name, lines in (topology or {}).items():
+        hosts[name]["__slurm_gpu_topology"] = {"stdout_lines": lines}
     ctl = {controller: {"__slurm_hostname": "head", "__slurm_address": "10.1.0.2"}}
     inv = {
         "all": {
@@ -47,11 +74,15 @@ def _inventory(tmp_path: Path, nvml: dict[str, bool] | None = None, controller: 
     return str(path)
 
 
-def _render(playbook, tmp_path: Path, nvml: dict[str, bool] | None = None, **extra) -> dict[str, str]:
+def _render(
+    playbook, tmp_path: Path, nvml: dict[str, bool] | None = None, topology: dict | None = None, **extra
+) -> dict[str, str]:
     out = tmp_path / "conf.json"
     extra = {"ddp_network_cidr": "10.1.0.0/24", "conf_file": str(out), **extra}
     extra["ansible_python_interpreter"] = sys.executable
-    res = playbook("-i", _inventory(tmp_path, nvml), "-c", "local", "-e", json.dumps(extra), PLAY)
+    res = playbook(
+        "-i", _inventory(tmp_path, nvml, topology=topology), "-c", "local", "-e", json.dumps(extra), PLAY
+    )
     assert res.returncode == 0, res.out[-2000:]
     return json.loads(out.read_text())
 
@@ -130,6 +161,37 @@ def test_gres_conf_names_the_device_files_and_autodetects_only_with_nvml(
     gres = _lines(_render(playbook, tmp_path, nvml)["gres.conf"])
     files = ["NodeName=gpu-0 Name=gpu File=/dev/nvidia[0-7]", "NodeName=gpu-1 Name=gpu File=/dev/nvidia[0-7]"]
     assert gres == (["AutoDetect=nvml"] if autodetect else []) + files
+
+
+def test_without_nvml_gres_conf_gives_each_gpu_the_cores_of_its_socket(playbook, tmp_path):
+    """Issue #45 7b: EPEL's Slurm has no NVML, so the GPUs' CPU affinity comes from sysfs, as Slurm's logical
+    core indexes: gpu-1's BIOS numbers the sockets' CPUs alternately (socket 0: CPUs 0, 2, ... 94), yet its
+    first socket's cores are 0-23 as on gpu-0. Without the driver's minors (cpu-2, no GPU) no Cores=."""
+    gres = _lines(_render(playbook, tmp_path, topology=TOPOLOGY)["gres.conf"])
+    assert gres == [
+        "NodeName=gpu-0 Name=gpu File=/dev/nvidia[0-3] Cores=0-23",
+        "NodeName=gpu-0 Name=gpu File=/dev/nvidia[4-7] Cores=24-47",
+        "NodeName=gpu-1 Name=gpu File=/dev/nvidia[0-3] Cores=0-23",
+        "NodeName=gpu-1 Name=gpu File=/dev/nvidia[4-7] Cores=24-47",
+    ]
+
+
+def test_gres_cores_per_gpu_and_none_where_the_driver_named_no_minor(playbook, tmp_path):
+    """One core (two threads) per GPU, by device minor whatever the PCI order (gpu-0's first two slots hold
+    minors 1 and 0); gpu-1's driver not loaded (no minor): its File= line without Cores=; with NVML,
+    AutoDetect gives the affinity and no Cores= is written."""
+    lines = _topology([f"{i},{i + 48}" for i in range(8)])
+    lines[0], lines[1] = "gpu 0000:1b:00.0 1 0,48", "gpu 0000:2b:00.0 0 1,49"
+    no_minor = [re.sub(r"^(gpu \S+) \d+ ", r"\1 - ", line) for line in TOPOLOGY["gpu-1"]]
+    topology = {"gpu-0": lines, "gpu-1": no_minor}
+    gres = _lines(_render(playbook, tmp_path, topology=topology)["gres.conf"])
+    cores = [1, 0, *range(2, 8)]
+    assert gres == [f"NodeName=gpu-0 Name=gpu File=/dev/nvidia{i} Cores={c}" for i, c in enumerate(cores)] + [
+        "NodeName=gpu-1 Name=gpu File=/dev/nvidia[0-7]"
+    ]
+    gres = _lines(_render(playbook, tmp_path, {n: True for n in NODES}, topology=topology)["gres.conf"])
+    files = ["NodeName=gpu-0 Name=gpu File=/dev/nvidia[0-7]", "NodeName=gpu-1 Name=gpu File=/dev/nvidia[0-7]"]
+    assert gres == ["AutoDetect=nvml", *files]
 
 
 def test_a_munge_key_from_the_inventory_is_used_without_its_line_breaks(playbook, tmp_path):
