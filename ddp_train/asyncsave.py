@@ -12,8 +12,8 @@ a GPU, so the copies run as DMA, `non_blocking`, then one synchronize), then the
   others through the store as a synchronous failure would (checkpoint.Checkpointer).
 - Tensors that are one object in the state (GPT's tied embedding and output weights) stay one object in
   the copy, so the file keeps one storage for them, as torch.save of the live state would.
-- The thread is not a daemon: a rank that exits while a save is in flight (an error elsewhere) still
-  completes it at interpreter shutdown (threading joins non-daemon threads), so the step is not lost.
+- A rank that fails while a save is in flight lets it end first (Checkpointer.drain, in the loop's
+  `finally`): a rank of a multi-rank run exits with os._exit, which would cut the thread off.
 """
 
 from __future__ import annotations
@@ -38,13 +38,16 @@ class HostSnapshot:
         """`state` with every tensor replaced by a host copy (same identity structure); other values are
         deep-copied. Returns once every copy has landed."""
         t0 = time.perf_counter()
-        memo: dict[int, torch.Tensor] = {}
+        memo: dict[tuple, torch.Tensor] = {}
         index = [0]
         on_gpu = [False]
 
         def host(t: torch.Tensor) -> torch.Tensor:
-            if id(t) in memo:
-                return memo[id(t)]
+            # the same view of the same storage is one tensor: state_dict() gives GPT's tied embedding
+            # and output weights as two detached objects over one storage, which torch.save writes once
+            key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, t.shape, t.stride())
+            if key in memo:
+                return memo[key]
             src = t.detach()
             i = index[0]
             index[0] += 1
@@ -61,16 +64,18 @@ class HostSnapshot:
                 buf.copy_(src, non_blocking=True)
             else:
                 buf.copy_(src)
-            memo[id(t)] = buf
+            memo[key] = buf
             return buf
 
         def walk(obj: Any) -> Any:
             if isinstance(obj, torch.Tensor):
                 return host(obj)
             if isinstance(obj, dict):
-                out = obj.copy()  # keeps the type (OrderedDict of a state_dict, and its _metadata)
+                out = obj.copy()  # keeps the type (the OrderedDict of a state_dict)
                 for k, v in obj.items():
                     out[k] = walk(v)
+                if hasattr(obj, "_metadata"):  # a state_dict's module versions: torch.save pickles them
+                    out._metadata = copy.deepcopy(obj._metadata)  # type: ignore[attr-defined]
                 return out
             if isinstance(obj, list):
                 return [walk(v) for v in obj]
@@ -111,11 +116,15 @@ class BackgroundSave:
         self._thread = threading.Thread(target=run, name=f"ddp-save {name}", daemon=False)
         self._thread.start()
 
-    def wait(self) -> None:
-        """Until the save in flight (if any) has ended; re-raises its error once."""
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Until the save in flight (if any) has ended, or `timeout_s` passed (then False); re-raises its
+        error once."""
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                return False
             self._thread = None
         error, self._error = self._error, None
         if error is not None:
             raise error
+        return True

@@ -521,6 +521,18 @@ class Checkpointer:
         distributed.wait_for_io(0, self.io_timeout_s, "the replica of its last checkpoint")
         self.replicas.close()
 
+    def drain(self) -> None:
+        """After an error (no collective any more): let a save still in flight end, up to
+        checkpoint.io_timeout_s, and log its failure instead of raising it; the ranks exit with os._exit,
+        which would cut the thread off. A no-op after finish()."""
+        if self.background is None:
+            return
+        try:
+            if not self.background.wait(self.io_timeout_s):
+                log.error("a background checkpoint save did not end within %gs", self.io_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - the run is failing already: its own error is the one raised
+            log.error("a background checkpoint save failed: %s", exc)
+
     def save_best(
         self, weights: dict[str, Any], step: int, best: dict[str, Any], config: dict[str, Any]
     ) -> None:

@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="ddp-compilecheck-") as workdir:  # 0700, this user's
+    # 0700, this user's; inductor's compile workers may still hold files in it at the end
+    with tempfile.TemporaryDirectory(prefix="ddp-compilecheck-", ignore_cleanup_errors=True) as workdir:
         for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TMPDIR"):
             os.environ[var] = os.path.join(workdir, var.lower())
             os.makedirs(os.environ[var], mode=0o700)

@@ -206,6 +206,7 @@ class Trainer:
                 self.save()
             self.checkpoints.finish()  # the replica of the last save, before any rank exits
         finally:
+            self.checkpoints.drain()  # an error left a save in flight: finished, or its failure logged
             meter.close()
             collector.close()
             self.batches.close()

@@ -36,6 +36,18 @@ def test_the_host_copy_keeps_tied_tensors_one_and_reuses_its_buffers():
     assert len(snap.buffers) == 2  # one per distinct tensor
 
 
+def test_the_host_copy_of_a_gpt_state_dict_keeps_its_tied_weights_one_and_its_metadata():
+    from ddp_train.config import load_config
+    from ddp_train.models import build_model
+
+    model = build_model(load_config(None, ["model.name=gpt"]))
+    sd = model.state_dict()
+    tied = [k for k in sd if sd[k].data_ptr() == sd["wte.weight"].data_ptr()]
+    assert len(tied) == 2 and sd[tied[0]] is not sd[tied[1]]  # two objects over one storage
+    copy = HostSnapshot().copy(sd)
+    assert copy[tied[0]] is copy[tied[1]] and copy._metadata == sd._metadata
+
+
 def _ckpt(tmp_path, **kw) -> Checkpointer:
     return Checkpointer(tmp_path / "ck", rank=0, local_rank=0, best_path=tmp_path / "best.pt", **kw)
 
@@ -72,6 +84,23 @@ def test_a_failed_background_save_stops_the_run_at_the_next_wait(tmp_path, monke
     ck.save(None, lambda _: _state(2), 2)
     with pytest.raises(StorageError, match="saving checkpoint step 2 failed"):
         ck.save(None, lambda _: _state(3), 3)
+
+
+def test_a_rank_that_fails_lets_its_save_in_flight_end_first(tmp_path, monkeypatch, caplog):
+    """The loop's `finally` drains: the ranks of a multi-rank run end with os._exit, which would cut the
+    writer off; a failure of that save is logged, not raised over the run's own error."""
+    ck = _ckpt(tmp_path, async_save=True, save_delay_s=1.0)
+    ck.save(None, lambda _: _state(1), 1)
+    ck.drain()
+    assert checkpoint.load(tmp_path / "ck" / "step-00000001.pt")["step"] == 1
+
+    def full(state, f):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    ck.save(None, lambda _: _state(2), 2)
+    ck.drain()
+    assert "a background checkpoint save failed: " in caplog.text and "step 2 failed" in caplog.text
 
 
 def test_best_pt_is_a_hard_link_to_its_steps_checkpoint_or_the_weights_alone(tmp_path, monkeypatch):

@@ -533,13 +533,15 @@ def _remember_size(key: str, weights: int) -> None:
 
 def check_space(checks: list[NodeCheck], cfg: Any, strict: bool) -> None:
     """On rank 0's node, which writes them: room under checkpoint.dir for two checkpoints (the newest
-    and the one being written) and under run.dir for best.pt. A warning naming the path and its free
-    space; a failure with --strict."""
+    and the one being written) and under run.dir for best.pt (a whole checkpoint at worst: a hard link to
+    one that rotation pruned). A warning naming the path and its free space; a failure with --strict."""
     sizes = checkpoint_bytes(cfg)
     c = next((c for c in checks if c.plan.rank == 0 and c.session is not None and c.facts), None)
     if sizes is None or c is None:
         return
-    ckpt, best = sizes
+    # best.pt is a hard link to its step's checkpoint where that step saved one (the last always does),
+    # and outlives that checkpoint's rotation: a whole checkpoint at worst (checkpoint.Checkpointer)
+    ckpt, best = sizes[0], sizes[0]
     run_dir = posixpath.join(cfg.run.dir, cfg.run.name)
     ckpt_dir = cfg.checkpoint.dir or posixpath.join(run_dir, "checkpoints")
     need, labels = {ckpt_dir: 2 * ckpt}, {ckpt_dir: "two checkpoints"}
