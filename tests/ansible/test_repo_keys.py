@@ -134,6 +134,18 @@ def test_el10s_cuda_key_is_refused_unless_it_has_the_checksum_nvidia_pins(playbo
     assert "refusing" not in res.out and "TASK [cuda_repo : Import the key]" in res.out, res.out[-3000:]
 
 
+def test_a_key_file_that_holds_another_key_beside_the_pinned_one_is_refused_and_removed(playbook, tmp_path):
+    """rpm --import would take every key in the file: the pinned fingerprint must be the only primary key."""
+    keys, text = _placed_key(tmp_path)
+    key = keys / "RPM-GPG-KEY-cuda-rhel10"
+    key.write_text(text + (FILES / "RPM-GPG-KEY-OpenHPC-4").read_text())  # another key, then the pinned one
+    extra = {"_cuda_repo_import_dir": str(keys), "cuda_repo_gpgkey_url": str(key)}
+    res, _ = _run(playbook, tmp_path, "cuda", _facts("10"), **extra, cuda_repo_gpgkey_fingerprint=OHPC4)
+    msg = _fatal(res)
+    assert f"has the fingerprint(s) {OHPC3}, " in msg and f"not only {OHPC4}: refusing to trust it" in msg, msg
+    assert not key.exists()  # removed: no repository reads it, and the next run fetches it again
+
+
 def test_the_checksum_ignores_the_version_header_as_nvidias_check_does(playbook, tmp_path):
     keys, text = _placed_key(tmp_path)
     key = keys / "RPM-GPG-KEY-cuda-rhel10"
