@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,12 +31,10 @@ class HostSnapshot:
 
     def __init__(self) -> None:
         self.buffers: list[torch.Tensor] = []
-        self.seconds = 0.0  # how long the last copy held the step
 
     def copy(self, state: Any) -> Any:
         """`state` with every tensor replaced by a host copy (same identity structure); other values are
         deep-copied. Returns once every copy has landed."""
-        t0 = time.perf_counter()
         memo: dict[tuple, torch.Tensor] = {}
         index = [0]
         on_gpu = [False]
@@ -87,7 +84,6 @@ class HostSnapshot:
         del self.buffers[index[0] :]  # a smaller state than last time: free what it no longer needs
         if on_gpu[0]:
             torch.cuda.synchronize()  # the non_blocking copies have landed before training touches the source
-        self.seconds = time.perf_counter() - t0
         return out
 
 

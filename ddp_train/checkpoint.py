@@ -156,6 +156,11 @@ def save_file(state: dict[str, Any], final: Path, delay_s: float = 0.0) -> Path:
     return storage.publish(final, lambda f: torch.save(state, f), delay_s)
 
 
+def best_note(best: dict[str, Any], step: int) -> str:
+    """What the log line of a new best.pt adds: its val loss and step."""
+    return f" (val_loss {best['val_loss']:.4f} at step {step})"
+
+
 def best_state(weights: dict[str, Any], step: int, best: dict[str, Any], config: dict[str, Any]) -> dict:
     """best.pt written on its own: the weights alone, a third of a full checkpoint under AdamW."""
     return {"format": BEST_FORMAT, "step": step, "best": dict(best), "model": weights, "config": config,
@@ -545,8 +550,7 @@ class Checkpointer:
             return best_state(weights, step, best, config)
 
         assert self.best_path is not None, "Checkpointer without a best_path"
-        note = f" (val_loss {best['val_loss']:.4f} at step {step})"
-        self.save(None, build, step, self.best_path, note)
+        self.save(None, build, step, self.best_path, best_note(best, step))
 
     def _write(
         self, state: dict[str, Any], step: int, path: Path | None, note: str, best: dict | None = None
@@ -574,7 +578,7 @@ class Checkpointer:
         """best.pt as a hard link to this step's checkpoint; written on its own (the weights alone) where
         a link cannot be made (checkpoint.dir on another filesystem than the run directory)."""
         assert self.best_path is not None, "Checkpointer without a best_path"
-        note = f" (val_loss {best['val_loss']:.4f} at step {step})"
+        note = best_note(best, step)
         what = f"linking {self.best_path.name} to {final.name}"
         with storage.guarded(what, self.best_path, lambda: kept(self.directory)):
             try:

@@ -189,7 +189,11 @@ PROM_FIELDS = (
     ("loss", "ddp_train_loss", "Training loss at that step (mean over ranks)."),
     ("val_loss", "ddp_train_val_loss", "The latest validation loss."),
     ("tokens_per_s", "ddp_train_tokens_per_second", "Training tokens/s over the last log interval."),
-    ("wall_tokens_per_s", "ddp_train_wall_tokens_per_second", "Tokens/s on the wall clock (evals in)."),
+    (
+        "wall_tokens_per_s",
+        "ddp_train_wall_tokens_per_second",
+        "Tokens/s on the wall clock (evals, saves in).",
+    ),
     ("mfu", "ddp_train_mfu_ratio", "Model FLOPs utilisation over the last log interval."),
     ("wall_mfu", "ddp_train_wall_mfu_ratio", "Model FLOPs utilisation on the wall clock (evals, saves in)."),
 )
