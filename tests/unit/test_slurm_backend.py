@@ -17,7 +17,7 @@ import pytest
 from ddp_train.launch.errors import LaunchError
 from ddp_train.launch.plan.inventory import load_nodes
 from ddp_train.launch.plan.plan import FRESH, Options, build_plan
-from ddp_train.launch.slurm import driver, jobctl, settings, submit
+from ddp_train.launch.slurm import driver, jobctl, protocol, recovery, settings, submit, task
 
 PARTITIONS = (
     "PartitionName=gpu AllowGroups=ALL Default=YES MaxTime=01:00:00 State=UP TotalNodes=3 TotalCPUs=6\n"
@@ -141,7 +141,7 @@ def test_torchrun_argv_on_a_node_takes_the_drivers_address_and_its_rank() -> Non
         "--nnodes",
         "9",
     ]
-    out = driver.torchrun_argv(
+    out = task.torchrun_argv(
         template, rank=2, nnodes=2, addr="10.1.0.5", port=29501, local_addr=None, static=True
     )
     assert out == [
@@ -177,7 +177,7 @@ def test_torchrun_argv_on_a_node_takes_the_drivers_address_and_its_rank() -> Non
         "10.0.0.2",
         "x.py",
     ]
-    out = driver.torchrun_argv(
+    out = task.torchrun_argv(
         c10d, rank=1, nnodes=3, addr="10.1.0.5", port=29502, local_addr="10.1.0.7", static=False
     )
     assert out[out.index("--rdzv-endpoint") + 1] == "10.1.0.5:29502"
@@ -478,7 +478,7 @@ def test_the_driver_names_the_tasks_srun_still_saw_running_after_its_wait() -> N
     assert driver.stragglers(["srun: StepId=9.0 tasks 1,3-4: running"]) == [1, 3, 4]
     assert driver.stragglers(lines[:2]) == []
     line = "ddp-slurm: job 5: node2 did not end with the other nodes (srun gave it 60 s): the node, ..."
-    assert driver.GONE.match(line) and driver.DONE.match("ddp-slurm: job 5: done, exit 1")[1] == "1"
+    assert protocol.GONE.match(line) and protocol.DONE.match("ddp-slurm: job 5: done, exit 1")[1] == "1"
 
 
 def test_a_stop_caught_before_the_training_step_is_sent_to_it_once_attached() -> None:
@@ -497,7 +497,7 @@ def test_a_stop_caught_before_the_training_step_is_sent_to_it_once_attached() ->
 
     stop.attach(Stdin())  # type: ignore[arg-type]
     stop._send()  # the handler's thread, had the signal come while attach() ran
-    assert sent == [driver.STOP]
+    assert sent == [protocol.STOP]
 
 
 def test_a_done_batch_script_is_reported_while_slurm_still_waits_for_a_lost_node(
@@ -660,7 +660,7 @@ def test_the_driver_restarts_inside_the_allocation_without_the_nodes_that_went_a
         return outcomes.pop(0)
 
     def attempts(job: dict, stop: driver._Stop | None = None) -> int:
-        record = driver.Attempts(tmp_path / "attempts.json", 0)
+        record = recovery.Attempts(tmp_path / "attempts.json", 0)
         return driver._attempts(job, "7", hosts, tmp_path, said.append, stop or driver._Stop(said.append), 0,
                                 record)  # fmt: skip
 
@@ -677,7 +677,7 @@ def test_the_driver_restarts_inside_the_allocation_without_the_nodes_that_went_a
         (["n0", "n1", "n3"], ["n2"], resumed),
         (["n0", "n1"], ["n2", "n3"], resumed),
     ]
-    assert [driver.ATTEMPT.match(s)[1] for s in said if driver.ATTEMPT.match(s)] == ["2", "3"]
+    assert [protocol.ATTEMPT.match(s)[1] for s in said if protocol.ATTEMPT.match(s)] == ["2", "3"]
     assert said[0] == (
         "ddp-slurm: job 7: attempt 2 on n0,n1,n3 without n2 (lost 1 of ddp_max_node_losses 2): it resumes "
         "from the newest checkpoint, the global batch kept"
@@ -730,32 +730,32 @@ def test_a_requeued_allocation_counts_the_losses_before_it_and_resumes(
     policy = {"mode": "restart", "max_losses": 2, "min_nodes": 2}
     job = {"argv": ["a1"], "resume_argv": ["a2"], "recovery": policy, "workdir": str(tmp_path)}
     blob = base64.b64encode(json.dumps(job).encode()).decode()
-    out = Path(driver.log_dir(str(tmp_path), "41"))
+    out = Path(protocol.log_dir(str(tmp_path), "41"))
 
     monkeypatch.setenv("SLURM_JOB_NODELIST", "n0,n1,n2,n3")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
     # n3 went away; attempt 2 ran, then n0 (the batch host, this driver) died with it: no end written
     results[:] = [(1, ["n3"]), (0, [])]
     with monkeypatch.context() as m:
-        m.setattr(driver.Attempts, "end", lambda self, usr1=False: None)
+        m.setattr(recovery.Attempts, "end", lambda self, usr1=False: None)
         driver.main(blob)
     monkeypatch.setenv("SLURM_JOB_NODELIST", "n1,n2,n3")  # n3 resumed by an admin, n0 down
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     results[:] = [(0, [])]
     assert driver.main(blob) == 0
     assert calls[-1] == (["n1", "n2"], ["n3"], 1, ["a2"])
-    text = (out / driver.DRIVER_LOG).read_text()
+    text = (out / protocol.DRIVER_LOG).read_text()
     assert "attempt 3 on n1,n2 without n3,n0 (lost 2 of ddp_max_node_losses 2)" in text, text
-    state = json.loads((out / driver.ATTEMPTS_FILE).read_text())
+    state = json.loads((out / recovery.ATTEMPTS_FILE).read_text())
     assert [x["host"] for x in state["lost"]] == ["n3", "n0"] and state["started"] is None
     # one more requeue after another lost batch host: over the budget, nothing runs
     state["started"] = "n1"
-    (out / driver.ATTEMPTS_FILE).write_text(json.dumps(state))
+    (out / recovery.ATTEMPTS_FILE).write_text(json.dumps(state))
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "n2,n4")
     n = len(calls)
     assert driver.main(blob) == 1 and len(calls) == n
     assert (
         "giving up: 3 node(s) lost, more than ddp_max_node_losses 2 (n3, n0, n1 lost)"
-        in (out / driver.DRIVER_LOG).read_text()
+        in (out / protocol.DRIVER_LOG).read_text()
     )

@@ -74,9 +74,9 @@ def monitor_node(plan: JobPlan, opts: argparse.Namespace) -> Node | None:
 
 
 def _host(name: str, hosts: list[str], extra_vars: list[str]) -> Node:
-    from ddp_train.launch.plan.inventory import load_nodes
+    from ddp_train.launch.plan.inventory import inventory_host
 
-    node = next((n for n in load_nodes(hosts, group="all", extra_vars=extra_vars) if n.name == name), None)
+    node = inventory_host(name, hosts, extra_vars)
     if node is None:
         raise LaunchError(f"ddp_monitor_host {name!r}: no such host in the inventory")
     return node

@@ -61,24 +61,23 @@ def fetch(job_id: str, data: dict[str, Any], what: str, to: str, connect_timeout
     """Copy the file; its local path. LaunchError (one line) if it cannot. Rank 0's node is found in the
     recorded command's inventory, or in `hosts` (a machine other than the one that launched the job)."""
     from ddp_train.launch.jobs.recorded import in_recorded_dir
+    from ddp_train.launch.plan.inventory import inventory_host
     from ddp_train.launch.remote.remote import RemoteError, open_session
 
     out_dir = Path(to).expanduser().resolve()
     here = os.getcwd()
-    given = _hosts_nodes(hosts, extra_vars or []) if hosts else None  # relative to this directory
     recorded = isinstance(data.get("cwd"), str) and os.path.isdir(data["cwd"])
-    if recorded or given is None:
+    if recorded or not hosts:
         in_recorded_dir(job_id, data)  # the recorded --hosts and --config are relative to it
     try:
         host, run_dir, ckpt_dir = dirs(job_id, data)
-        if given is None:
-            node = rank0_node(job_id, data, host)
-        else:
-            node = next((n for n in given if n.name == host), None)
-            if node is None:
-                raise LaunchError(f"job {job_id}: rank 0's host {host} is not in {', '.join(hosts or [])}")
+        node = None if hosts else rank0_node(job_id, data, host)
     finally:
         os.chdir(here)
+    if node is None:  # rank 0's node in the inventory `hosts` names, relative to this directory
+        node = inventory_host(host, hosts or [], extra_vars or [])
+        if node is None:
+            raise LaunchError(f"job {job_id}: rank 0's host {host} is not in {', '.join(hosts or [])}")
     try:
         session = open_session(node, connect_timeout)
         try:
@@ -113,12 +112,6 @@ def fetch(job_id: str, data: dict[str, Any], what: str, to: str, connect_timeout
         )
     os.replace(tmp, final)
     return f"{final} ({found['size']} bytes, sha256 {found['sha256'][:16]}, from {host}:{found['path']})"
-
-
-def _hosts_nodes(hosts: list[str], extra_vars: list[str]) -> list[Any]:
-    from ddp_train.launch.plan.inventory import load_nodes
-
-    return load_nodes(hosts, group="all", extra_vars=extra_vars)
 
 
 def load(job_id: str, log_dir: str, command: bool = False, hosts: list[str] | None = None,

@@ -1,4 +1,4 @@
-"""On the allocation: the batch script's driver (node 0) and the program srun starts on every node.
+"""On the allocation: the batch script's driver (node 0); task.py is the program srun starts on every node.
 
 The batch script is Python (`#!<ddp_venv>/bin/python`), so the driver is a Python process, not a shell
 that defers its traps while a foreground child runs (scancel(1), "the batch shell ... will not
@@ -7,20 +7,18 @@ receive the signal until the foreground process exits"). The driver
 1. picks MASTER_ADDR = its own address in ddp_network_cidr (no DNS, no `scontrol`) and the first
    MASTER_PORT from ddp_master_port up that binds there;
 2. runs `srun --ntasks-per-node=1 --kill-on-bad-exit=1 --wait=60 --label python -m
-   ddp_train.launch.slurm.driver --node`, writing the job (environment included) as one JSON line to
+   ddp_train.launch.slurm.task --node`, writing the job (environment included) as one JSON line to
    srun's stdin, which srun broadcasts to every task (srun(1) --input, default "all") - never in argv;
 3. prints each task's lines as `[host rN] line` and keeps them per node in <workdir>/.ddp-launch/
-   slurm-<id>/r<N>-<host>.log (what `ddp-launch logs` reads);
+   slurm-<id>/r<N>-<host>.log (what `ddp-launch logs` reads; protocol.py names the files and lines);
 4. turns SIGTERM (`ddp-launch stop`: `scancel --batch --signal=TERM`) and SIGUSR1 (`--signal=B:USR1@lead`
    before the time limit) into one "stop" line on srun's stdin: each node's program sends SIGTERM to its
    torchrun alone, the SSH backend's stop (every rank finishes its step, saves, exit 143). Slurm's own
    step signal would reach every process of the step at once, and a worker would then get SIGTERM twice
    (from slurmstepd and from torchrun). With --requeue, a USR1 stop that ends in 143 is followed by
-   `scontrol requeue`, and the job starts again and resumes from the newest checkpoint.
-
-The node program: node rank = SLURM_NODEID, its own interface in the CIDR (GLOO/NCCL_SOCKET_IFNAME,
---local-addr, as preflight/netif.py sets them for the SSH backend), plan.py's torchrun argv with the
-driver's address and port, then `python -m ddp_train.agent` with the environment on its stdin.
+   `scontrol requeue`, and the job starts again and resumes from the newest checkpoint;
+5. with ddp_on_node_loss: restart, runs the job again on the nodes left after a node loss, as long as
+   recovery.py's record of the attempts and its limits allow.
 """
 
 from __future__ import annotations
@@ -33,84 +31,22 @@ import signal
 import socket
 import stat
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-STOP = b"stop\n"
-SUBMIT_UMASK = "DDP_SUBMIT_UMASK"  # the submit shell's umask, in the batch script's environment (submit.py)
-DRIVER_LOG = "driver.log"  # the driver's own lines (and srun's), beside the nodes' r<N>-<host>.log
+from ddp_train.launch.slurm.protocol import DRIVER_LOG, STOP, SUBMIT_UMASK, log_dir
+from ddp_train.launch.slurm.recovery import ATTEMPTS_FILE, Attempts, limit_reached
+from ddp_train.launch.slurm.task import own_address
+
 LABEL = re.compile(r"^\s*(\d+): ?(.*)$")  # srun --label: "<task id>: line"
-STOP_DELAY_S = 1.0  # a stop line waits this long for Slurm's own SIGTERM of the same scancel
 PORT_SPAN = 64  # MASTER_PORT: the first of ddp_master_port .. +63 that binds
 PROBE_TIMEOUT_S = 180  # the in-job preflight step: the probe allows itself 120 s (launch/node/probe.py)
-DRIVER = "ddp_train.launch.slurm.driver"
+TASK = "ddp_train.launch.slurm.task"  # what srun runs on every node (task.py)
 SRUN_WAIT_S = 60  # srun --wait: the other tasks' end after the first one exited
 RUNNING_TASKS = re.compile(r"StepId=\S+ tasks? ([\d,-]+): running")
-# The driver's lines the launcher acts on (submit.py): its last one, the requeue (the ranks' stops before
-# it were the earlier attempt's) and the one naming nodes that went away without an exit status.
-DONE = re.compile(r"^ddp-slurm: job \d+: done, exit (\d+)$")
-REQUEUED = re.compile(r"^ddp-slurm: job \d+: requeued \(")
-GONE = re.compile(r"^ddp-slurm: job \d+: (.* did not end with the other nodes .*)$")
-# ddp_on_node_loss: restart, a node lost inside the allocation: the next attempt as a new step on the others
-ATTEMPT = re.compile(r"^ddp-slurm: job \d+: attempt (\d+) on ")
-
-
-def log_dir(workdir: str | None, slurm_job: str) -> str:
-    """Where the driver keeps each node's output (relative: to the job's working directory)."""
-    base = f"{workdir.rstrip('/')}/" if workdir else ""
-    return f"{base}.ddp-launch/slurm-{slurm_job}"
-
-
-def torchrun_argv(
-    template: Sequence[str],
-    *,
-    rank: int,
-    nnodes: int,
-    addr: str,
-    port: int,
-    local_addr: str | None,
-    static: bool,
-) -> list[str]:
-    """plan.py's torchrun argv for this node: the driver's address and port, rank = SLURM_NODEID."""
-    out = list(template)
-    endpoint = f"[{addr}]:{port}" if ":" in addr else f"{addr}:{port}"
-    values = {
-        "--nnodes": str(nnodes),
-        "--master-addr": addr,
-        "--master-port": str(port),
-        "--rdzv-endpoint": endpoint,
-    }
-    if static:
-        values["--node-rank"] = str(rank)
-    if local_addr and not static:
-        values["--local-addr"] = local_addr
-    i = 1
-    while i + 1 < len(out) and out[i].startswith("--"):  # torchrun's own "--flag value" pairs
-        if out[i] in values:
-            out[i + 1] = values.pop(out[i])
-        i += 2
-    if "--local-addr" in values:
-        from ddp_train.launch.preflight.netif import with_local_addr
-
-        out = list(with_local_addr(out, values["--local-addr"]))
-    return out
-
-
-def own_address(cidr: str | None) -> tuple[str, str | None]:
-    """(this node's address in the CIDR, its interface); without a CIDR the hostname's address."""
-    if not cidr:
-        return socket.gethostbyname(socket.gethostname()), None
-    from ddp_train.launch.node.probe import collect_netif
-    from ddp_train.launch.preflight.netif import choose, network
-
-    net = network(cidr)
-    targets = [str(t) for t in ([net[-2], net[1], net[2]] if net.num_addresses >= 4 else list(net))]
-    choice = choose(cidr, collect_netif(cidr, targets))
-    return choice.address, choice.dev
 
 
 def free_port(addr: str, first: int) -> int:
@@ -122,9 +58,6 @@ def free_port(addr: str, first: int) -> int:
                 continue
             return port
     raise SystemExit(f"ddp-slurm: no free port in {first}-{first + PORT_SPAN - 1} on {addr}")
-
-
-# ---- the driver (the batch script, on node 0) -------------------------------------------------------
 
 
 def main(blob: str, early: Sequence[int] = ()) -> int:
@@ -172,58 +105,6 @@ def main(blob: str, early: Sequence[int] = ()) -> int:
         record.end()
         say(f"ddp-slurm: job {slurm_job}: done, exit {code}")  # DONE: the launcher ends here (submit.py)
     return code
-
-
-ATTEMPTS_FILE = "attempts.json"  # beside driver.log: what the job's allocations had, across requeues
-
-
-class Attempts:
-    """The job's attempts across its allocations (a requeue starts the batch script again, on the same
-    shared workdir): the step attempts so far, the lost nodes (never used again, counted against
-    ddp_max_node_losses), the time-limit requeues this driver made (--max-requeues counts only those),
-    and the batch host of a driver that has not ended: one that never does was lost with its host."""
-
-    def __init__(self, path: Path, restarts: int) -> None:
-        self.path = path
-        data: dict[str, Any] = {}
-        if restarts:
-            try:
-                data = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                data = {}
-        self.attempt = int(data.get("attempt") or 0)
-        self.lost: list[dict[str, str]] = list(data.get("lost") or [])
-        self.usr1 = int(data.get("usr1") or 0)
-        self.started: str | None = data.get("started")
-
-    def start(self, batch_host: str) -> None:
-        self.started = batch_host
-        self._save()
-
-    def next(self) -> int:
-        self.attempt += 1
-        self._save()
-        return self.attempt
-
-    def lose(self, host: str, why: str) -> None:
-        self.lost.append({"host": host, "why": why})
-        self._save()
-
-    def end(self, usr1: bool = False) -> None:
-        self.started, self.usr1 = None, self.usr1 + int(usr1)
-        self._save()
-
-    @property
-    def lost_hosts(self) -> list[str]:
-        return [x["host"] for x in self.lost]
-
-    def _save(self) -> None:
-        data = {"attempt": self.attempt, "lost": self.lost, "usr1": self.usr1, "started": self.started}
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f)
-        os.replace(tmp, self.path)
 
 
 def private_output(fd: int = 1) -> None:
@@ -313,16 +194,6 @@ def _attempts(
         job = {**job, "argv": job.get("resume_argv") or job["argv"]}
 
 
-def limit_reached(losses: int, remaining: int, policy: Mapping[str, Any]) -> str:
-    """Why a restart after `losses` lost nodes, with `remaining` left, is not allowed ('' if it is): the
-    rule of launch/run/nodeloss.py, inside one Slurm allocation."""
-    if losses > int(policy.get("max_losses", 0)):
-        return f"{losses} node(s) lost, more than ddp_max_node_losses {policy.get('max_losses')}"
-    if remaining < int(policy.get("min_nodes", 1)):
-        return f"{remaining} node(s) would remain, fewer than ddp_min_nodes {policy.get('min_nodes')}"
-    return ""
-
-
 def _run(
     job: dict[str, Any],
     slurm_job: str,
@@ -359,7 +230,7 @@ def _run(
         f"--wait={SRUN_WAIT_S}",
         python,
         "-m",
-        DRIVER,
+        TASK,
         "--node",
     ]
     srun = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -413,7 +284,7 @@ def preflight(job: Mapping[str, Any], hosts: Sequence[str], line: str, say: Call
     from ddp_train.launch.preflight.preflight_model import NodeCheck
 
     python = f"{job['venv'].rstrip('/')}/bin/python"
-    argv = [*_step(len(hosts), excluded), f"--wait={SRUN_WAIT_S}", python, "-m", DRIVER, "--probe"]
+    argv = [*_step(len(hosts), excluded), f"--wait={SRUN_WAIT_S}", python, "-m", TASK, "--probe"]
     try:
         out, both = subprocess.PIPE, subprocess.STDOUT
         res = subprocess.run(argv, input=line.encode(), stdout=out, stderr=both, timeout=PROBE_TIMEOUT_S)
@@ -542,107 +413,3 @@ def _relay(stream: IO[bytes], hosts: Sequence[str], out_dir: Path, say: Callable
     for f in files.values():
         f.close()
     return own
-
-
-# ---- every node (an srun task) ------------------------------------------------------------------------
-
-
-def node_main() -> None:
-    job: dict[str, Any] = json.loads(_read_line())
-    rank = int(os.environ["SLURM_NODEID"])
-    env: dict[str, str] = dict(job["env"])
-    local_addr = None
-    if job.get("cidr"):
-        try:
-            local_addr, dev = own_address(job["cidr"])
-        except ValueError as e:
-            print(f"ddp-slurm: {socket.gethostname()}: {e}", flush=True)
-            os._exit(3)
-        from ddp_train.launch.preflight.netif import Choice, settings
-
-        env.update(settings(Choice(dev=dev or "", address=local_addr, prefixlen=0), env)[0])
-    argv = torchrun_argv(
-        job["argv"],
-        rank=rank,
-        nnodes=int(job["nnodes"]),
-        addr=job["master_addr"],
-        port=int(job["master_port"]),
-        local_addr=local_addr,
-        static=bool(job["static"]),
-    )
-    workdir = job.get("workdir") or None
-    if job.get("config"):
-        _write_config(job["config"]["path"], job["config"]["text"], workdir)
-    signalled = threading.Event()  # Slurm's own step signal (a plain scancel) reaches torchrun directly
-    signal.signal(signal.SIGTERM, lambda *_: signalled.set())
-    python = f"{job['venv'].rstrip('/')}/bin/python"
-    proc = subprocess.Popen(
-        [python, "-m", "ddp_train.agent", *argv],
-        stdin=subprocess.PIPE,
-        cwd=workdir,
-        env=_agent_env(job["job_id"]),
-    )
-    assert proc.stdin is not None
-    proc.stdin.write((json.dumps(env) + "\n").encode())
-    proc.stdin.close()
-
-    def watch() -> None:
-        while _read_line():  # the only other line the driver sends is STOP
-            # after a plain scancel torchrun got Slurm's SIGTERM already (and the driver's stop line
-            # follows it): a second one would cut its shutdown short
-            if not signalled.wait(STOP_DELAY_S) and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-
-    threading.Thread(target=watch, daemon=True).start()
-    code = proc.wait()
-    if code < 0:  # srun --kill-on-bad-exit ended the step while this node's ranks were still exiting
-        code = 128 - code
-    sys.stdout.flush()
-    os._exit(code)  # not through the interpreter's shutdown while `watch` blocks in a read of stdin
-
-
-def _read_line() -> bytes:
-    """One line of stdin, read byte by byte from the descriptor (no buffer that reads ahead)."""
-    line = b""
-    while not line.endswith(b"\n"):
-        c = os.read(0, 1)
-        if not c:
-            break
-        line += c
-    return line
-
-
-def _agent_env(job_id: str) -> Mapping[str, str]:
-    env = dict(os.environ, DDP_JOB_ID=job_id, DDP_SLURM_STEP="1")
-    env.pop("SLURM_CPU_BIND", None)
-    return env
-
-
-def _write_config(path: str, text: str, workdir: str | None) -> None:
-    full = Path(workdir or ".", path) if not path.startswith("/") else Path(path)
-    full.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-
-
-def probe_main() -> int:
-    """The in-job preflight's task on every node: the SSH preflight's probe, with the job's environment
-    (less its id and secrets: launch/preflight/preflight.py probe_env) and its GPU health options."""
-    from ddp_train.launch.node import probe
-    from ddp_train.launch.plan.plan import is_secret
-    from ddp_train.launch.preflight import gpuhealth
-
-    job: dict[str, Any] = json.loads(_read_line())
-    env = {k: v for k, v in job["env"].items() if k != "DDP_JOB_ID" and not is_secret(k, v)}
-    os.environ.update(env)
-    gpu = gpuhealth.probe_args(job.get("gpu_health", "strict"), bool(job.get("gpu_health_dcgm")))
-    return probe.main([job["venv"], job.get("workdir") or "", *gpu])
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] == ["--node"]:
-        node_main()
-    if sys.argv[1:] == ["--probe"]:
-        sys.exit(probe_main())
-    sys.exit(f"usage: {sys.argv[0]} --node | --probe (what the driver's srun runs)")

@@ -31,7 +31,7 @@ from ddp_train.launch.run.logs import JobLog
 from ddp_train.launch.run.report import JobResult
 from ddp_train.launch.run.trainerlog import Stopped, parse_stopped
 from ddp_train.launch.slurm import jobctl
-from ddp_train.launch.slurm.driver import ATTEMPT, DONE, DRIVER_LOG, GONE, REQUEUED, log_dir
+from ddp_train.launch.slurm.protocol import ATTEMPT, DONE, DRIVER_LOG, GONE, REQUEUED, SUBMIT_UMASK, log_dir
 from ddp_train.launch.slurm.settings import SlurmSettings, minutes
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ POLL_S = 1.0
 # (--open-mode only chooses append or truncate). The batch script inherits that umask too: the driver
 # puts back the submitter's own (DDP_SUBMIT_UMASK, driver.py restore_umask) for what the job creates.
 # sh -c: whatever the login shell on the submit host is.
-SBATCH = "sh -c " + shlex.quote('SLURM_UMASK=0077 DDP_SUBMIT_UMASK="$(umask)" exec sbatch --parsable')
+SBATCH = "sh -c " + shlex.quote(f'SLURM_UMASK=0077 {SUBMIT_UMASK}="$(umask)" exec sbatch --parsable')
 COMPLETING_WAIT_S = 10.0  # a job whose batch script is done may stay COMPLETING this long before we report
 
 
