@@ -124,6 +124,7 @@ class CheckpointConfig:
     io_timeout_s: float = 1800.0
     replicas: int = 1
     async_save: bool = True  # rank 0 writes in a thread after a copy to host memory (asyncsave.py)
+    at_end: bool = True  # false: no save when max_steps is reached (a stop still saves)
 
 
 @dataclass

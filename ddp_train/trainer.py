@@ -202,7 +202,7 @@ class Trainer:
             if self.env.is_main:
                 steplog.run_throughput()
             meter.bar.close()
-            if self.saved_step != self.step:
+            if self.saved_step != self.step and (stopped or self.cfg.checkpoint.at_end):
                 self.save()
             self.checkpoints.finish()  # the replica of the last save, before any rank exits
         finally:

@@ -151,3 +151,11 @@ def test_a_stop_during_a_background_save_loses_nothing(tmp_path):
     assert 5 in steps and steps[-1] > went_on[0] and not list(ckpts.glob("*.tmp")), steps
     for step in (5, steps[-1]):
         assert checkpoint.load(ckpts / checkpoint.checkpoint_name(step))["step"] == step
+
+
+def test_at_end_false_keeps_the_periodic_saves_and_writes_none_after_the_last_step(tmp_path):
+    """checkpoint.at_end=false (bench/gpu.sh's throughput runs): no save of the last step; periodic ones stay."""
+    code, _ = train(tmp_path, "train.max_steps=5", "checkpoint.interval_steps=2", "checkpoint.at_end=false")
+    ckpts = tmp_path / "runs" / "default" / "checkpoints"
+    assert code == 0
+    assert [s for s, _ in checkpoint.list_checkpoints(ckpts)] == [2, 4]
