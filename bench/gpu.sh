@@ -1,28 +1,69 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 7, 14 and 31 as one script (~7 minutes on one H200 before issue 31's G7 and G8,
-# which add an estimated 1-2): G1 bf16 matmul ceiling, G2 our
-# trainer vs a nanoGPT-style loop on GPT-124M (tokens/s, MFU), G3 DDP world_size 1 over NCCL vs bare,
-# G4 step time with a per-step stats sync vs StepMeter, G5 loader-alone vs trainer tokens/s on a token
-# file, G6 peak memory with vs without the logits.float() copy, G7 (issue 31) DDP gradient memory with
-# zero_grad(set_to_none=True) vs in place, G8 compute-only tokens/s with eval every 10 steps vs none. G2 is a
-# wall-clock race: N steps, one sync, no eval or best.pt.
-# `bench/gpu.sh --smoke` runs the same code on CPU with tiny shapes (what CI can check).
+# The GPU checks (G1-G9, bench/README.md) on the lent GPU machine as it is, in parts that each fit one
+# call of a few minutes, the most important first:
+#     bash bench/gpu.sh --part 1    # G1 bf16 matmul ceiling, G2 our trainer vs a nanoGPT-style loop
+#     bash bench/gpu.sh --part 2    # G3 DDP (1 rank, NCCL) vs bare, G4 stats sync, G9 checkpoint cost
+#     bash bench/gpu.sh --part 3    # G5 loader, G6 logits memory, G7 gradient memory, G8 eval timing
+#     bash bench/gpu.sh             # all three
+#     bash bench/gpu.sh --smoke     # the same code on CPU with tiny shapes (the suite runs it so)
+# Each check's lines go to stdout and, as they come, to $OUT/gpu-bench.txt when $OUT is set (the device
+# tool's folder that comes back), so a call cut off by its time limit keeps what ran.
+# The machine's python3 (3.12, torch 2.11) lacks jsonschema and its dependencies and cannot reach PyPI:
+# run `bash bench/gpu_wheels.sh` here first and carry bench/wheels; they are installed below into a
+# private temporary folder on PYTHONPATH, beside this repository (the project is not installed there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
-smoke=()
-[ "${1:-}" = "--smoke" ] && smoke=(--smoke)
+part=all smoke=()
+while [ $# -gt 0 ]; do
+    case $1 in
+        --smoke) smoke=(--smoke) ;;
+        --part) part=${2:-}; shift ;;
+        *) echo "gpu.sh: unknown argument '$1' (--part 1|2|3, --smoke)" >&2; exit 2 ;;
+    esac
+    shift
+done
+case $part in 1 | 2 | 3 | all) ;; *) echo "gpu.sh: --part is 1, 2 or 3, not '$part'" >&2; exit 2 ;; esac
+
+deps=""
+if ! "$PY" -c 'import jsonschema' 2>/dev/null; then
+    tag=$("$PY" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+    if ! compgen -G "bench/wheels/$tag/*.whl" >/dev/null; then
+        echo "gpu.sh: $PY has no jsonschema and bench/wheels/$tag holds no wheels: run" \
+            "'bash bench/gpu_wheels.sh ${tag:2:1}.${tag:3}' where PyPI is reachable and carry bench/wheels" >&2
+        exit 2
+    fi
+    deps=$(mktemp -d "${TMPDIR:-/tmp}/ddp-gpu-bench.XXXXXX")  # mode 0700: no other user's code on our path
+    trap 'rm -rf "$deps"' EXIT
+    "$PY" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --target "$deps" \
+        "bench/wheels/$tag"/*.whl
+fi
+export PYTHONPATH="$PWD${deps:+:$deps}${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} PYTHONUNBUFFERED=1
-"$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), *(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())))'
-"$PY" bench/gpu_bench.py matmul "${smoke[@]}"
-"$PY" -m torch.distributed.run --standalone --nproc-per-node 1 bench/gpu_bench.py ddp-vs-bare "${smoke[@]}"
-"$PY" bench/gpu_bench.py trainer-vs-minimal "${smoke[@]}"
-# issue 14: G4 per-step stats sync vs StepMeter, G5 loader vs trainer tokens/s, G6 logits copy memory
-"$PY" bench/gpu_bench.py stats-sync "${smoke[@]}"
-"$PY" bench/gpu_bench.py loader "${smoke[@]}"
-"$PY" bench/gpu_bench.py logits-memory "${smoke[@]}"
-# issue 31: G7 DDP gradients as bucket views, zero_grad(set_to_none=True) vs in place (G2: a wall-clock race)
-"$PY" -m torch.distributed.run --standalone --nproc-per-node 1 bench/gpu_bench.py grad-memory "${smoke[@]}"
-# issue 31: G8 compute-only tokens/s with eval every 10 steps vs none (eval's pause holds eval only)
-"$PY" bench/gpu_bench.py eval-timing "${smoke[@]}"
+log=/dev/null
+if [ -n "${OUT:-}" ]; then
+    mkdir -p "$OUT"
+    log=$OUT/gpu-bench.txt
+fi
+
+run() { "$PY" "$@" "${smoke[@]}" 2>&1 | tee -a "$log"; }
+one_rank() { run -m torch.distributed.run --standalone --nproc-per-node 1 "$@"; }
+
+"$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), *(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())))' | tee -a "$log"
+"$PY" -c 'import ddp_train.config, ddp_train.trainer' # every import the trainer needs, before any check
+if [ "$part" = 1 ] || [ "$part" = all ]; then
+    run bench/gpu_bench.py matmul
+    run bench/gpu_bench.py trainer-vs-minimal
+fi
+if [ "$part" = 2 ] || [ "$part" = all ]; then
+    one_rank bench/gpu_bench.py ddp-vs-bare
+    run bench/gpu_bench.py stats-sync
+    run bench/gpu_bench.py checkpoint-cost
+fi
+if [ "$part" = 3 ] || [ "$part" = all ]; then
+    run bench/gpu_bench.py loader
+    run bench/gpu_bench.py logits-memory
+    one_rank bench/gpu_bench.py grad-memory
+    run bench/gpu_bench.py eval-timing
+fi

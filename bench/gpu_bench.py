@@ -8,8 +8,9 @@
     python bench/gpu_bench.py logits-memory     # G6 peak memory of a step: logits.float() copy vs none
     torchrun --standalone --nproc-per-node 1 bench/gpu_bench.py grad-memory   # G7 DDP grads set_to_none
     python bench/gpu_bench.py eval-timing       # G8 compute-only tokens/s with eval every 10 vs none
+    python bench/gpu_bench.py checkpoint-cost   # G9 wall time with a save every 25 steps vs none
 
-bench/gpu.sh runs them all in about 7 minutes. Same model, batch, precision and compile setting on
+bench/gpu.sh runs them in parts of a few minutes each (bench/README.md: the GPU runs). Same model, batch, precision and compile setting on
 both sides of every ratio; throughput is the median over timed steps after warm-up (and compilation).
 """
 
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
+sys.path[:0] = [str(REPO / "bench"), str(REPO)]  # ddp_train from this tree: not installed on the GPU image
 from common import ratio_line  # noqa: E402
 
 from ddp_train import data, models  # noqa: E402
@@ -159,10 +160,11 @@ def trainer_records(cfg_sets: list[str], steps: int, log_every: int = 5) -> list
     """Our trainer under torchrun (1 process) for `steps` steps: its metrics.jsonl records."""
     with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
         sets = [
+            "checkpoint.interval_steps=0",
+            "checkpoint.at_end=false",  # no ~1.5 GB write of weights nobody keeps at each run's end
             *cfg_sets,
             f"train.max_steps={steps}",
             f"log.interval_steps={log_every}",
-            "checkpoint.interval_steps=0",
             "checkpoint.resume=never",
             "log.progress=never",
             f"run.dir={tmp}",
@@ -195,6 +197,19 @@ def trainer_run(cfg_sets: list[str], steps: int, smoke: bool) -> tuple[float, fl
     return statistics.median(r["tokens_per_s"] for r in recs), statistics.median(mfus) if mfus else None
 
 
+def window(r: dict, every: int) -> tuple[float, float]:
+    """(tokens, wall seconds) of one logged window of `every` steps."""
+    tokens = r["tokens_per_s"] * r["step_time_s"] * every
+    return tokens, tokens / r["wall_tokens_per_s"]
+
+
+def timed_wall(recs: list[dict], warmup: int, every: int) -> tuple[float, float]:
+    """Wall-clock tokens/s and wall seconds of the windows after `warmup` steps (compilation left out)."""
+    timed = [window(r, every) for r in recs if r["step"] > warmup]
+    wall = sum(w for _, w in timed)
+    return sum(t for t, _ in timed) / wall, wall
+
+
 def cmd_trainer_vs_minimal(a: argparse.Namespace) -> None:
     """G2 (issue 31 item 10): the same N steps on both sides after the same warm-up, wall-clock. The
     trainer without eval or best.pt (nothing paused out, so its wall and compute figures agree) and
@@ -204,19 +219,12 @@ def cmd_trainer_vs_minimal(a: argparse.Namespace) -> None:
     steps, warmup = (10, 5) if a.smoke else (40, 10)
     sets = [*(SMOKE_SETS if a.smoke else GPU_SETS), "eval.interval_steps=0", "eval.keep_best=false"]
     every = 5  # warm-up and timed steps are whole windows of 5 logged steps
-
-    def window(r: dict) -> tuple[float, float]:  # (tokens, wall seconds) of a logged window
-        tokens = r["tokens_per_s"] * r["step_time_s"] * every
-        return tokens, tokens / r["wall_tokens_per_s"]
-
     recs = trainer_records(sets, warmup + steps, log_every=every)
-    timed = [window(r) for r in recs if r["step"] > warmup]
-    ours_wall = sum(w for _, w in timed)
-    ours_tok = sum(t for t, _ in timed) / ours_wall
+    ours_tok, ours_wall = timed_wall(recs, warmup, every)
     ours_compute = statistics.median(r["tokens_per_s"] for r in recs if r["step"] > warmup)
     mfus = [r["mfu"] for r in recs if r["step"] > warmup and "mfu" in r]
     ours_mfu = statistics.median(mfus) if mfus else None
-    first_s = window(recs[0])[1]
+    first_s = window(recs[0], every)[1]
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     base_tok, base_wall = minimal_loop(cfg, steps, warmup)
     dev = device()
@@ -271,6 +279,40 @@ def cmd_eval_timing(a: argparse.Namespace) -> None:
     )
     print(
         ratio_line("G8", "eval10/no_eval", "compute_tokens_s", ev / no, wall_ratio=f"{ev_wall / no_wall:.3f}")
+    )
+
+
+def cmd_checkpoint_cost(a: argparse.Namespace) -> None:
+    """G9 (issue #46): the wall-clock cost of periodic checkpoints (weights + AdamW moments, ~1.5 GB on
+    GPT-124M): the same timed steps with a save every `every` steps, written in a thread after a pinned
+    copy (checkpoint.async_save, the default) and in the step (async_save=false), against none. Wall
+    seconds of the windows after warm-up (compilation out); `per_250` scales the async cost to the
+    issue's one save every 250 steps (cost per save x saves): the target is < 1.02."""
+    steps, warmup, every = (20, 5, 6) if a.smoke else (100, 10, 25)
+    saves = sum(1 for s in range(warmup + 1, warmup + steps + 1) if s % every == 0)  # in timed windows
+    base = [*(SMOKE_SETS if a.smoke else GPU_SETS), "eval.interval_steps=0", "eval.keep_best=false"]
+    modes = {
+        "none": ["checkpoint.interval_steps=0"],
+        "async": [f"checkpoint.interval_steps={every}", "checkpoint.async_save=true"],
+        "sync": [f"checkpoint.interval_steps={every}", "checkpoint.async_save=false"],
+    }
+    wall = {}
+    for mode, extra in modes.items():
+        _, wall[mode] = timed_wall(trainer_records([*base, *extra], warmup + steps), warmup, 5)
+        print(f"checkpoint-cost {mode}: {steps} steps after {warmup} in {wall[mode]:.2f} s wall", flush=True)
+    asy, syn, none = wall["async"] / wall["none"], wall["sync"] / wall["none"], wall["none"]
+    per_save = (wall["async"] - none) / saves
+    print(
+        ratio_line(
+            "G9",
+            "ckpt_async/no_ckpt",
+            "wall_s",
+            asy,
+            sync_ratio=f"{syn:.3f}",
+            per_250=f"{1 + per_save / (none / steps * 250):.3f}",
+            every=every,
+            none_s=f"{none:.2f}",
+        )
     )
 
 
@@ -541,6 +583,7 @@ def main() -> None:
         "logits-memory": cmd_logits_memory,
         "grad-memory": cmd_grad_memory,
         "eval-timing": cmd_eval_timing,
+        "checkpoint-cost": cmd_checkpoint_cost,
     }
     p.add_argument("check", choices=list(checks))
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks the script, not the GPU")
