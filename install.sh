@@ -2,7 +2,8 @@
 # Install the controller side of ddp-train from this clone: a venv with the project (editable: a
 # `git pull` here updates it) and everything constraints.txt pins, ansible among them (the `ansible`
 # package carries the collections the playbooks use: community.general, containers.podman, ...), then
-# links ddp-launch, ddp-train and the ansible commands into a bin directory on PATH.
+# links ddp-launch, ddp-train and the ansible commands (ansible-vault too, for a become password kept in a
+# vault) into a bin directory on PATH.
 #
 #   ./install.sh [--prefix DIR] [--bin DIR] [--force] [--with EXTRAS]
 #     --prefix DIR   where the venv goes [${XDG_DATA_HOME:-~/.local/share}/ddp-train]
@@ -22,21 +23,25 @@ force=0
 extras=bpe,plot
 while [ $# -gt 0 ]; do
   case "$1" in
-    --prefix) prefix=${2:?--prefix needs a directory}; shift 2 ;;
-    --bin) bin=${2:?--bin needs a directory}; shift 2 ;;
+    --prefix|--bin|--with)
+      # a missing value is a usage error (exit 2) in one line, not the shell's own message
+      [ $# -ge 2 ] || { echo "install.sh: $1 needs a value (--with: a comma list of bpe, plot, tensorboard, or \"\")" >&2; exit 2; }
+      case "$1" in --prefix) prefix=$2 ;; --bin) bin=$2 ;; --with) extras=$2 ;; esac
+      shift 2 ;;
     --force) force=1; shift ;;
-    --with) extras=${2?--with needs a list (bpe,plot,tensorboard, or "")}; shift 2 ;;
     -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "install.sh: unknown option '$1' (known: --prefix DIR, --bin DIR, --force, --with EXTRAS)" >&2; exit 2 ;;
   esac
 done
+names=""  # the list again without empty entries ("bpe,", "bpe, plot"), which pip's extras syntax refuses
 for e in ${extras//,/ }; do
   case "$e" in
-    bpe|plot|tensorboard) ;;
+    bpe|plot|tensorboard) names="${names:+$names,}$e" ;;
     *) echo "install.sh: --with: unknown extra '$e' (known: bpe, plot, tensorboard)" >&2; exit 2 ;;
   esac
 done
-COMMANDS="ddp-launch ddp-train ansible ansible-playbook ansible-galaxy ansible-inventory ansible-config"
+extras=$names
+COMMANDS="ddp-launch ddp-train ansible ansible-playbook ansible-galaxy ansible-inventory ansible-config ansible-vault"
 
 pick_python() {
   for p in ${DDP_PYTHON:-} python3.13 python3.12 python3.11 python3; do

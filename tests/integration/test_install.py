@@ -1,4 +1,4 @@
-"""install.sh, README's "Install on your controller": into an empty HOME, ddp-launch, ansible-playbook and
+"""install.sh, README's step "1. Install": into an empty HOME, ddp-launch, ansible-playbook and
 the playbooks' collections work from the bin directory alone, a command of the same name already there
 is kept, and torch is the pinned 2.13.0 (on this
 machine the local wheel: pip's log shows no torch download)."""
