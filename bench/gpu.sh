@@ -2,7 +2,7 @@
 # The GPU checks (G1-G9, bench/README.md) on the lent GPU machine as it is, in parts that each fit one
 # call of a few minutes, the most important first:
 #     bash bench/gpu.sh --part 1    # G1 bf16 matmul ceiling, G2 our trainer vs a nanoGPT-style loop
-#     bash bench/gpu.sh --part 2    # G3 DDP (1 rank, NCCL) vs bare, G4 stats sync, G9 checkpoint cost
+#     bash bench/gpu.sh --part 2    # G9 checkpoint cost, G3 DDP (1 rank, NCCL) vs bare, G4 stats sync
 #     bash bench/gpu.sh --part 3    # G5 loader, G6 logits memory, G7 gradient memory, G8 eval timing
 #     bash bench/gpu.sh             # all three
 #     bash bench/gpu.sh --smoke     # the same code on CPU with tiny shapes (the suite runs it so)
@@ -57,9 +57,9 @@ if [ "$part" = 1 ] || [ "$part" = all ]; then
     run bench/gpu_bench.py trainer-vs-minimal
 fi
 if [ "$part" = 2 ] || [ "$part" = all ]; then
+    run bench/gpu_bench.py checkpoint-cost
     one_rank bench/gpu_bench.py ddp-vs-bare
     run bench/gpu_bench.py stats-sync
-    run bench/gpu_bench.py checkpoint-cost
 fi
 if [ "$part" = 3 ] || [ "$part" = all ]; then
     run bench/gpu_bench.py loader
