@@ -242,6 +242,16 @@ def load(path: Path) -> dict[str, Any]:
     mmap=True: the tensors are views of the file's pages (private, copy-on-write), read as they are
     used instead of all copied into memory first (torch.load docs, `mmap`); files are only ever
     replaced by rename, never written in place, so a mapping stays valid.
+
+    Not read-only, and on purpose (issue #46 asked for it): torch maps the file through
+    UntypedStorage.from_file (torch/serialization.py, 2.11 and 2.13), always writable, MAP_PRIVATE or,
+    with set_default_mmap_options(MAP_SHARED), MAP_SHARED. Shared would let any in-place write reach the
+    checkpoint itself (optimizer.load_state_dict keeps a CPU state tensor of the parameter's dtype as it
+    is, and AdamW's step then writes into it). Private writable is charged against the commit limit for
+    the file's size (mm/mmap.c accountable_mapping: VM_WRITE without VM_SHARED): on a GPU only until
+    the state is on the device and the loaded dict is dropped; on CPU the optimizer's moments stay
+    pages of it, the memory they need anyway. mmap=False would charge the same and make it all resident
+    at once. The token files, mapped for the whole run, are read-only (data.TokenFile).
     """
     verify(path)
     origin = check_replica(path)
