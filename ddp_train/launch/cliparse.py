@@ -319,7 +319,11 @@ def _slurm_options(run: argparse.ArgumentParser) -> None:
         g.add_argument(f"--{flag}", dest=f"slurm_{flag}", metavar=meta, help=what)
     g.add_argument("--nodes", dest="slurm_nodes", type=int, metavar="N", help="nodes [the inventory's]")
     g.add_argument(
-        "--gpus-per-node", dest="slurm_gpus_per_node", type=int, metavar="N", help="[slurm_gpus_per_node]"
+        "--gpus-per-node",
+        dest="slurm_gpus_per_node",
+        type=int,
+        metavar="N",
+        help="GPUs per node to request (0: none) [slurm_gpus_per_node, else one per process]",
     )
     g.add_argument("--exclusive", dest="slurm_exclusive", action="store_true", help="whole nodes only")
     g.add_argument(

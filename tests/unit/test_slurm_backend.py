@@ -186,23 +186,63 @@ def test_torchrun_argv_on_a_node_takes_the_drivers_address_and_its_rank() -> Non
 
 def test_preflight_one_line_per_problem(tmp_path: Path) -> None:
     inv = inventory(tmp_path)
-    fake = FakeSession({"scontrol --oneliner show partition": (0, PARTITIONS)})
+    fake = FakeSession({"scontrol --oneliner show partition": (0, PARTITIONS), "sinfo": (0, "(null)\n")})
+    problems = lambda s, n: submit.preflight(fake, s, n)[0]  # noqa: E731
     s = settings.load(opts(), [inv], [])
-    assert submit.preflight(fake, s, 3) == []
+    assert problems(s, 3) == []
     s = settings.load(opts(slurm_partition="nope"), [inv], [])
-    assert submit.preflight(fake, s, 2) == ["partition 'nope' does not exist (partitions on n0: gpu, down)"]
+    assert problems(s, 2) == ["partition 'nope' does not exist (partitions on n0: gpu, down)"]
     s = settings.load(opts(slurm_nodes=4, slurm_time="2:00:00"), [inv], [])
-    assert submit.preflight(fake, s, 2) == [
+    assert problems(s, 2) == [
         "--nodes 4: partition gpu has 3 node(s)",
         "--time 2:00:00 is over partition gpu's MaxTime 01:00:00",
     ]
     s = settings.load(opts(slurm_partition="down"), [inv], [])
-    assert submit.preflight(fake, s, 1) == ["partition down is DOWN (scontrol show partition down)"]
+    assert problems(s, 1) == ["partition down is DOWN (scontrol show partition down)"]
     dead = FakeSession({"scontrol": (1, "slurm_load_partitions: Unable to contact slurm controller")})
-    assert submit.preflight(dead, s, 1) == [
+    assert submit.preflight(dead, s, 1)[0] == [
         "Slurm is not reachable from n0: scontrol show partition: slurm_load_partitions: Unable to contact "
         "slurm controller"
     ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "flags", "gres", "sbatch", "problem"),
+    [
+        # the default: one GPU per process, on a partition that has them (issue #48: seen in --dry-run too)
+        ("    ddp_nproc_per_node: 4\n", {}, "gpu:8\ngpu:h100:4(S:0-1)\n", "--gpus-per-node=4", None),
+        ("    ddp_nproc_per_node: gpu\n", {}, "gpu:a100:4,gpu:v100:2\n", "--gpus-per-node=6", None),
+        # a CPU cluster: the default request is dropped, an explicit one refused
+        ("    ddp_nproc_per_node: 2\n", {}, "(null)\n", None, None),
+        ("", {"slurm_gpus_per_node": 2}, "(null)\n", None,
+         "--gpus-per-node / slurm_gpus_per_node 2: partition gpu's nodes have no GPUs (Gres)"),
+        ("    ddp_nproc_per_node: gpu\n", {}, "(null)\n", None,
+         "ddp_nproc_per_node gpu: partition gpu's nodes have no GPUs (Gres)"),
+        ("    ddp_nproc_per_node: 8\n", {}, "gpu:8\ngpu:4\n", None,
+         "ddp_nproc_per_node 8: partition gpu's nodes have 4 GPUs (Gres); one process per GPU"),
+        ("    ddp_nproc_per_node: 8\n", {"slurm_gpus_per_node": 0}, "gpu:8\n", None, None),
+        ("    ddp_nproc_per_node: cpu\n", {}, "gpu:8\n", None, None),
+    ],
+)  # fmt: skip
+def test_the_gpu_request_defaults_to_one_per_process_and_is_checked_against_gres(
+    tmp_path: Path, extra: str, flags: dict, gres: str, sbatch: str | None, problem: str | None
+) -> None:
+    s = settings.load(opts(**flags), [inventory(tmp_path, extra=extra)], [])
+    fake = FakeSession({"scontrol --oneliner show partition": (0, PARTITIONS), "sinfo": (0, gres)})
+    problems, resolved = submit.preflight(fake, s, 2)
+    assert problems == ([problem] if problem else [])
+    if problem is None:
+        asked = [o for o in resolved.sbatch_options("j", 2) if o.startswith("--gpus-per-node")]
+        assert asked == ([sbatch] if sbatch else [])
+
+
+def test_dry_run_shows_one_gpu_per_process_without_asking_slurm(tmp_path: Path) -> None:
+    s = settings.load(opts(), [inventory(tmp_path, extra="    ddp_nproc_per_node: 8\n")], [])
+    assert "--gpus-per-node=8" in s.sbatch_options("j", 2)
+    with pytest.raises(
+        LaunchError, match=r"^--gpus-per-node / slurm_gpus_per_node -1: a non-negative integer$"
+    ):
+        settings.load(opts(slurm_gpus_per_node=-1), [inventory(tmp_path)], [])
 
 
 def test_state_from_squeue_then_scontrol_then_sacct() -> None:

@@ -34,7 +34,8 @@ class SlurmSettings:
     qos: str | None = None
     time: str | None = None
     nodes: int | None = None  # default: the inventory's node count
-    gpus_per_node: int | None = None
+    gpus_per_node: int | None = None  # the flag or variable; 0: request none (a CPU job)
+    nproc: str = "1"  # --nproc-per-node, else ddp_nproc_per_node: the GPU request's default
     exclusive: bool = False
     constraint: str | None = None
     signal_lead_s: int = 120  # --signal=B:USR1@lead: the driver stops the job this long before the limit
@@ -50,8 +51,8 @@ class SlurmSettings:
             value = getattr(self, name)
             if value:
                 opts.append(f"--{name}={value}")
-        if self.gpus_per_node:
-            opts.append(f"--gpus-per-node={self.gpus_per_node}")
+        if gpus := self.gpus():
+            opts.append(f"--gpus-per-node={gpus}")
         if self.exclusive:
             opts.append("--exclusive")
         opts.append(f"--signal=B:USR1@{self.signal_lead_s}")
@@ -61,6 +62,15 @@ class SlurmSettings:
         if restart:
             opts.append("--no-kill")
         return opts
+
+    def gpus(self) -> int | None:
+        """GPUs per node the job requests: the flag or variable, else one per process when the process
+        count is a number (issue #48: the slurm role sets ConstrainDevices, so a job that requests no GPU
+        sees none). `gpu`/`auto` are resolved from the partition's Gres at submit (submit.preflight);
+        `cpu` requests none."""
+        if self.gpus_per_node is not None:
+            return self.gpus_per_node or None
+        return int(self.nproc) if self.nproc.isdigit() else None
 
 
 def minutes(value: str) -> float | None:
@@ -107,9 +117,13 @@ def load(opts: argparse.Namespace, sources: Sequence[str], extra_vars: Sequence[
     for name in FLAGS:
         flag = getattr(opts, f"slurm_{name}", None)
         values[name] = flag if flag is not None else hostvars.get(f"slurm_{name}")
-    for name in ("nodes", "gpus_per_node"):
-        if values[name] is not None:
-            values[name] = _positive(values[name], f"--{name.replace('_', '-')} / slurm_{name}")
+    if values["nodes"] is not None:
+        values["nodes"] = _positive(values["nodes"], "--nodes / slurm_nodes")
+    if values["gpus_per_node"] is not None:  # 0: none, on a partition without GPUs
+        values["gpus_per_node"] = _positive(
+            values["gpus_per_node"], "--gpus-per-node / slurm_gpus_per_node", 0
+        )
+    nproc = getattr(opts, "nproc_per_node", None) or hostvars.get("ddp_nproc_per_node", 1)
     limit = None  # --time in minutes (None: not set, or UNLIMITED)
     if values["time"] is not None:
         values["time"] = str(values["time"])
@@ -134,6 +148,7 @@ def load(opts: argparse.Namespace, sources: Sequence[str], extra_vars: Sequence[
         submit=submit,
         group=group,
         sources=tuple(sources),
+        nproc=str(nproc),
         exclusive=exclusive,
         signal_lead_s=lead,
         requeue=requeue,
@@ -142,28 +157,28 @@ def load(opts: argparse.Namespace, sources: Sequence[str], extra_vars: Sequence[
     )
 
 
-def _positive(value: Any, name: str) -> int:
+def _positive(value: Any, name: str, least: int = 1) -> int:
     try:
         n = int(str(value), 10)
     except ValueError:
-        n = 0
-    if isinstance(value, bool) or n < 1:
-        raise LaunchError(f"{name} {value!r}: a positive integer")
+        n = least - 1
+    if isinstance(value, bool) or n < least:
+        raise LaunchError(f"{name} {value!r}: {'a positive' if least else 'a non-negative'} integer")
     return n
 
 
 def _inventory(
     sources: Sequence[str], extra_vars: Sequence[str]
 ) -> tuple[dict[str, list[str]], dict[str, Any]]:
-    """(group -> hosts, the ddp_backend/slurm_* variables of the node group's first host)."""
+    """(group -> hosts, the ddp_backend, ddp_nproc_per_node and slurm_* variables of the node group's
+    first host)."""
     from ddp_train.launch.plan import inventory as inv
 
     with inv._quiet_ansible():
         from ansible.inventory.manager import InventoryManager
-        from ansible.parsing.dataloader import DataLoader
         from ansible.vars.manager import VariableManager
 
-        loader = DataLoader()
+        loader = inv.data_loader()
         manager = InventoryManager(loader=loader, sources=list(sources))
         groups = {name: [h.name for h in g.get_hosts()] for name, g in manager.groups.items()}
         group = inv.DEFAULT_GROUP if groups.get(inv.DEFAULT_GROUP) else "all"
@@ -177,5 +192,5 @@ def _inventory(
             inv._load_extra_vars(loader, extra_vars),
             ", ".join(sources),
         )
-        keys = [k for k in v.raw if k == "ddp_backend" or k.startswith("slurm_")]
+        keys = [k for k in v.raw if k in ("ddp_backend", "ddp_nproc_per_node") or k.startswith("slurm_")]
         return groups, {k: v.get(k) for k in keys}

@@ -106,13 +106,14 @@ def shown_script(plan: JobPlan, s: SlurmSettings) -> str:
     )
 
 
-def preflight(session: Session, s: SlurmSettings, nodes: int) -> list[str]:
-    """Why the job cannot be submitted: one line each (empty: it can)."""
+def preflight(session: Session, s: SlurmSettings, nodes: int) -> tuple[list[str], SlurmSettings]:
+    """Why the job cannot be submitted, one line each (empty: it can), and the settings with the GPU
+    request resolved against the partition's nodes (gpu_request)."""
     where = s.submit.name
     rc, out = session.exec("scontrol --oneliner show partition", 30)
     if rc != 0:
         first = next((ln for ln in out.splitlines() if ln.strip()), f"exit {rc}")
-        return [f"Slurm is not reachable from {where}: scontrol show partition: {first}"]
+        return [f"Slurm is not reachable from {where}: scontrol show partition: {first}"], s
     parts = {}
     for ln in out.splitlines():
         f = jobctl.oneliner(ln)
@@ -121,7 +122,7 @@ def preflight(session: Session, s: SlurmSettings, nodes: int) -> list[str]:
     name = s.partition or next((n for n, f in parts.items() if f.get("Default") == "YES"), None)
     if name is None or name not in parts:
         what = f"partition {name!r} does not exist" if name else "no --partition and no default partition"
-        return [f"{what} (partitions on {where}: {', '.join(parts) or 'none'})"]
+        return [f"{what} (partitions on {where}: {', '.join(parts) or 'none'})"], s
     part, problems = parts[name], []
     if part.get("State") != "UP":
         problems.append(f"partition {name} is {part.get('State')} (scontrol show partition {name})")
@@ -134,7 +135,43 @@ def preflight(session: Session, s: SlurmSettings, nodes: int) -> list[str]:
         cap = minutes(limit)
         if cap is not None and (minutes(s.time) or 0) > cap:
             problems.append(f"--time {s.time} is over partition {name}'s MaxTime {limit}")
-    return problems
+    rc, out = session.exec(f"sinfo --noheader --partition={shlex.quote(name)} --format=%G", 30)
+    if rc != 0:
+        problems.append(f"sinfo --partition={name} --format=%G on {where}: {out.strip() or f'exit {rc}'}")
+        return problems, s
+    gpus, problem = gpu_request(s, name, gres_gpus(out))
+    return problems + ([problem] if problem else []), dataclasses.replace(s, gpus_per_node=gpus)
+
+
+GRES_GPU = re.compile(r"(?:^|,)gpu(?::[^:,(]+)?:(\d+)")
+
+
+def gres_gpus(sinfo_gres: str) -> int:
+    """GPUs every node of the partition has: `sinfo --format=%G` prints one line per group of alike nodes
+    (`gpu:8`, `gpu:h100:8(S:0-1)`, `gpu:a100:4,gpu:v100:2`, `(null)`); the fewest of them."""
+    counts = [
+        sum(int(n) for n in GRES_GPU.findall(ln.strip())) for ln in sinfo_gres.splitlines() if ln.strip()
+    ]
+    return min(counts, default=0)
+
+
+def gpu_request(s: SlurmSettings, partition: str, have: int) -> tuple[int, str | None]:
+    """(GPUs per node to request, or 0; why the job cannot run as asked, or None) on a partition whose
+    nodes have `have` GPUs each. A default one per process is dropped on a partition without GPUs (a CPU
+    cluster); asked for explicitly, or with more processes than GPUs, it is refused."""
+    where = f"partition {partition}'s nodes have {have or 'no'} GPU{'' if have == 1 else 's'} (Gres)"
+    if s.gpus_per_node is not None:
+        if s.gpus_per_node > have:
+            return 0, f"--gpus-per-node / slurm_gpus_per_node {s.gpus_per_node}: {where}"
+        return s.gpus_per_node, None
+    if s.nproc.isdigit():
+        n = int(s.nproc)
+        if have and n > have:
+            return 0, f"ddp_nproc_per_node {n}: {where}; one process per GPU"
+        return (n if have else 0), None
+    if s.nproc == "gpu" and not have:
+        return 0, f"ddp_nproc_per_node gpu: {where}"
+    return (have if s.nproc in ("gpu", "auto") else 0), None
 
 
 BAD_INTERPRETER = re.compile(r"bad interpreter\(([^)]+)\)")
@@ -187,7 +224,9 @@ class SlurmBackend:
                 raise Refused(exitcodes.NODE_FAILED)
         try:
             session = self._session()
-            problems = [] if self.cfg.skip_preflight else preflight(session, self.s, len(plan.nodes))
+            problems: list[str] = []
+            if not self.cfg.skip_preflight:
+                problems, self.s = preflight(session, self.s, len(plan.nodes))
             for line in problems:
                 log.note(f"preflight failed: {line}")
             if problems:
