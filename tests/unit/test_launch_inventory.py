@@ -207,3 +207,27 @@ def test_reading_an_inventory_leaves_the_environment_as_it_was(tmp_path: Path) -
         load_nodes([str(tmp_path / "inv")])
     load_nodes(["inventory/local"])
     assert dict(os.environ) == before
+
+
+def test_a_vault_in_group_vars_is_read_with_ansibles_password_file_and_refused_in_one_line_without(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """helper review of #48: an encrypted group_vars file (a vaulted become password, README step 3) was a
+    traceback; ddp-launch now reads it as ansible-playbook does with vault_password_file, never prompting."""
+    from ansible import constants
+    from ansible.parsing.vault import VaultLib, VaultSecret
+
+    inv = write(
+        tmp_path / "inv" / "hosts.yml", "all:\n  children:\n    gpu_nodes:\n      hosts:\n        n0: {}\n"
+    )
+    secret = [("default", VaultSecret(b"s3cret"))]
+    vaulted = VaultLib(secret).encrypt("ddp_workdir: /srv/vaulted\n").decode()
+    write(tmp_path / "inv" / "group_vars" / "all" / "vault.yml", vaulted)
+    monkeypatch.setattr(constants, "DEFAULT_VAULT_PASSWORD_FILE", None)
+    with pytest.raises(LaunchError) as e:
+        load_nodes([str(inv)])
+    assert "\n" not in str(
+        e.value
+    ) and "set vault_password_file in ansible.cfg or ANSIBLE_VAULT_PASSWORD_FILE" in str(e.value)
+    monkeypatch.setattr(constants, "DEFAULT_VAULT_PASSWORD_FILE", str(write(tmp_path / "pw", "s3cret\n")))
+    assert load_nodes([str(inv)])[0].workdir == "/srv/vaulted"

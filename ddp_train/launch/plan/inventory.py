@@ -126,10 +126,9 @@ def load_nodes(
         from ansible import constants
         from ansible.errors import AnsibleError
         from ansible.inventory.manager import InventoryManager
-        from ansible.parsing.dataloader import DataLoader
         from ansible.vars.manager import VariableManager
 
-        loader = DataLoader()
+        loader = data_loader()
         where = ", ".join(sources)
         # A source no plugin parses is an error here, not a warning and an empty inventory. Set on
         # Ansible's constants for this parse only (InventoryManager reads it while parsing), never in
@@ -145,7 +144,37 @@ def load_nodes(
         extra = _load_extra_vars(loader, extra_vars)
         variables = VariableManager(loader=loader, inventory=inventory)
         hosts = _select_hosts(inventory, where, group, limit, exclude, notes)
-        return [_node(loader, variables, h, extra, where) for h in hosts]
+        try:
+            return [_node(loader, variables, h, extra, where) for h in hosts]
+        except AnsibleError as e:  # group_vars/host_vars are read here: a vault without its password
+            raise LaunchError(vault_failure(where, e)) from None
+
+
+def data_loader() -> Any:
+    """Ansible's DataLoader holding the vault passwords ansible-playbook would use without a prompt:
+    ansible.cfg's vault_password_file / vault_identity_list, or ANSIBLE_VAULT_PASSWORD_FILE /
+    ANSIBLE_VAULT_IDENTITY_LIST (ansible/cli/__init__.py CLI.setup_vault_secrets, auto_prompt=False)."""
+    from ansible import constants
+    from ansible.cli import CLI
+    from ansible.parsing.dataloader import DataLoader
+
+    loader = DataLoader()
+    secrets = CLI.setup_vault_secrets(
+        loader, list(constants.DEFAULT_VAULT_IDENTITY_LIST), auto_prompt=False, initialize_context=False
+    )
+    loader.set_vault_secrets(secrets)
+    return loader
+
+
+def vault_failure(where: str, err: Exception) -> str:
+    """One line for an inventory file Ansible could not read (most often a vault with no password)."""
+    text = one_line(str(getattr(err, "message", None) or err), None)
+    if "vault" not in text.lower():
+        return f"inventory {where}: {text}"
+    return (
+        f"inventory {where}: {text.rstrip('.')}; ddp-launch reads a vault as ansible-playbook does without a prompt: "
+        "set vault_password_file in ansible.cfg or ANSIBLE_VAULT_PASSWORD_FILE (docs/security.md)"
+    )
 
 
 def inventory_host(name: str, sources: Sequence[str], extra_vars: Sequence[str] = ()) -> Node | None:
