@@ -33,8 +33,9 @@ def el9(venv_bin):
 
 def test_verify_refuses_gloo_on_gpu_nodes(el9, playbook):
     """The venv has torch's CPU build: the allreduce works, with gloo, and that is a failure on GPU nodes.
-    Before it, the compile check passed on both: the role installed python3.11-devel and gcc, and a
-    torch.compile'd function ran on the CPU (the hosts have no Python headers without the package)."""
+    Before it, the compile check passed on both: the role installed python3.11-devel and gcc (the hosts
+    have no Python headers without the package), and a torch.compile'd function ran on node0's CPU
+    (node1 checks the headers only: molecule/el9-sim/inventory/host_vars/node1.yml)."""
     res = playbook(*INVENTORY, "playbooks/verify.yml")
     assert res.returncode == 2, res.out[-3000:]
     assert "ddp-compilecheck" not in res.out and "cannot build a C extension" not in res.out, res.out[-3000:]
@@ -48,7 +49,7 @@ def test_verify_refuses_gloo_on_gpu_nodes(el9, playbook):
 def test_verify_names_a_port_range_another_sysctl_file_undid(el9, playbook):
     sh(el9, 1, "sysctl -qw net.ipv4.ip_local_port_range='32768 60999'")
     try:
-        res = playbook(*INVENTORY, "playbooks/verify.yml")
+        res = playbook(*INVENTORY, "playbooks/verify.yml", "-e", "verify_torch_compile=false")
     finally:
         sh(el9, 1, "sysctl -qw net.ipv4.ip_local_port_range='50000 51999'")
     assert res.returncode == 2, res.out[-3000:]
