@@ -10,8 +10,9 @@
     python bench/gpu_bench.py eval-timing       # G8 compute-only tokens/s with eval every 10 vs none
     python bench/gpu_bench.py checkpoint-cost   # G9 wall time with a save every 25 steps vs none
 
-bench/gpu.sh runs them in parts of a few minutes each (bench/README.md: the GPU runs). Same model, batch, precision and compile setting on
-both sides of every ratio; throughput is the median over timed steps after warm-up (and compilation).
+bench/gpu.sh runs them in parts of a few minutes each (bench/README.md: the GPU runs). Same model,
+batch, precision and compile setting on both sides of every ratio; throughput is the median over timed
+steps after warm-up (and compilation).
 """
 
 from __future__ import annotations

@@ -154,7 +154,8 @@ def test_a_stop_during_a_background_save_loses_nothing(tmp_path):
 
 
 def test_at_end_false_keeps_the_periodic_saves_and_writes_none_after_the_last_step(tmp_path):
-    """checkpoint.at_end=false (bench/gpu.sh's throughput runs): no save of the last step; periodic ones stay."""
+    """checkpoint.at_end=false (bench/gpu.sh's throughput runs): no save of the last step; periodic ones
+    stay."""
     code, _ = train(tmp_path, "train.max_steps=5", "checkpoint.interval_steps=2", "checkpoint.at_end=false")
     ckpts = tmp_path / "runs" / "default" / "checkpoints"
     assert code == 0

@@ -172,8 +172,9 @@ def vault_failure(where: str, err: Exception) -> str:
     if "vault" not in text.lower():
         return f"inventory {where}: {text}"
     return (
-        f"inventory {where}: {text.rstrip('.')}; ddp-launch reads a vault as ansible-playbook does without a prompt: "
-        "set vault_password_file in ansible.cfg or ANSIBLE_VAULT_PASSWORD_FILE (docs/security.md)"
+        f"inventory {where}: {text.rstrip('.')}; ddp-launch reads a vault as ansible-playbook does "
+        "without a prompt: set vault_password_file in ansible.cfg or ANSIBLE_VAULT_PASSWORD_FILE "
+        "(docs/security.md)"
     )
 
 
