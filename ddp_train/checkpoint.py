@@ -326,7 +326,9 @@ class Replication(Protocol):
 
     def connect(self, reports: list[dict[str, Any]]) -> None: ...
 
-    def send(self, path: Path) -> None: ...
+    def send(self, path: Path, best: Path | None = None) -> None: ...
+
+    def send_best(self, best: Path) -> None: ...
 
     def finish(self, timeout_s: float) -> None: ...
 
@@ -342,7 +344,10 @@ class NoReplication:
     def connect(self, reports: list[dict[str, Any]]) -> None:
         pass
 
-    def send(self, path: Path) -> None:
+    def send(self, path: Path, best: Path | None = None) -> None:
+        pass
+
+    def send_best(self, best: Path) -> None:
         pass
 
     def finish(self, timeout_s: float) -> None:
@@ -579,14 +584,15 @@ class Checkpointer:
         # "saved ... in N.NNs": ddp-launch reads it to size the grace period of a stop (launch/run/job.py)
         seconds = time.perf_counter() - t0
         logging.getLogger("ddp_train").info("saved %s in %.2fs%s", final, seconds, deleted)
-        if path is None and best is not None:
-            self._link_best(final, state, step, best)
-        if path is None:
-            self.replicas.send(final)  # in the background: the next step does not wait for it
+        linked = path is None and best is not None and self._link_best(final, state, step, best)
+        if path is None:  # in the background: the next step does not wait for it
+            self.replicas.send(final, self.best_path if linked else None)
+        elif path == self.best_path:
+            self.replicas.send_best(path)  # best.pt survives the loss of this node too
 
-    def _link_best(self, final: Path, state: dict[str, Any], step: int, best: dict[str, Any]) -> None:
-        """best.pt as a hard link to this step's checkpoint; written on its own (the weights alone) where
-        a link cannot be made (checkpoint.dir on another filesystem than the run directory)."""
+    def _link_best(self, final: Path, state: dict[str, Any], step: int, best: dict[str, Any]) -> bool:
+        """best.pt as a hard link to this step's checkpoint (True); written on its own (the weights
+        alone) where a link cannot be made (checkpoint.dir on another filesystem than the run directory)."""
         assert self.best_path is not None, "Checkpointer without a best_path"
         note = best_note(best, step)
         what = f"linking {self.best_path.name} to {final.name}"
@@ -598,5 +604,6 @@ class Checkpointer:
                          final.name, exc.strerror)  # fmt: skip
                 alone = best_state(state["model"], step, best, state["config"])
                 self._write(alone, step, self.best_path, note)
-                return
+                return False
         logging.getLogger("ddp_train").info("%s is %s%s (a hard link)", self.best_path, final.name, note)
+        return True

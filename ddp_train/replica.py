@@ -72,12 +72,19 @@ def _readline(f: BinaryIO, limit: int = 4096) -> str:
 
 
 class Receiver:
-    """A listening socket and a thread that stores each replica sent to it in `directory`."""
+    """A listening socket and a thread that stores each replica sent to it in `directory`, and best.pt
+    at `best_path` (a hard link to the received copy of its step when the sender's is one)."""
 
     def __init__(
-        self, directory: Path, keep_latest_k: int, master_addr: str | None, timeout_s: float
+        self,
+        directory: Path,
+        keep_latest_k: int,
+        master_addr: str | None,
+        timeout_s: float,
+        best_path: Path | None = None,
     ) -> None:
         self.directory, self.keep_latest_k, self.timeout_s = directory, keep_latest_k, timeout_s
+        self.best_path = best_path
         self.token = secrets.token_hex(16)
         host = training_address(master_addr)
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -146,14 +153,41 @@ class Receiver:
             return
         deadline.cancel()
         conn.settimeout(self.timeout_s)  # the token's holder: a sender that went silent frees the thread
-        if checkpoint.step_of(name) is None:
+        best = self.best_path is not None and name == self.best_path.name
+        if checkpoint.step_of(name) is None and not best:
             conn.sendall(b"bad refused\n")
             return
         with self.lock:
-            self._store(conn, f, header, name, size)
+            if not best:
+                self._store(conn, f, header, self.directory / name, size)
+            elif not self._link_best(header, size):
+                assert self.best_path is not None
+                self._store(conn, f, header, self.best_path, size)
+                return
+            else:
+                conn.sendall(b"have\n")
 
-    def _store(self, conn: socket.socket, f: BinaryIO, header: dict[str, Any], name: str, size: int) -> None:
-        final = self.directory / name
+    def _link_best(self, header: dict[str, Any], size: int) -> bool:
+        """best.pt as a hard link to this node's verified copy of the checkpoint the sender's best.pt is a
+        link of (header "link"), instead of its bytes again; False when there is no such copy."""
+        link = header.get("link")
+        if not isinstance(link, str) or checkpoint.step_of(link) is None or self.best_path is None:
+            return False
+        copy = self.directory / link
+        try:
+            if copy.stat().st_size != size or not checkpoint.replica_info(copy).exists():
+                return False
+            storage.link(copy, self.best_path)
+        except OSError:
+            return False  # not here, or another filesystem: the bytes are sent
+        checkpoint.replica_info(self.best_path).unlink(missing_ok=True)
+        log.info("best.pt is the replica %s (a hard link)", link)
+        return True
+
+    def _store(
+        self, conn: socket.socket, f: BinaryIO, header: dict[str, Any], final: Path, size: int
+    ) -> None:
+        name = final.name
         try:
             st = final.stat()
             if (st.st_size, st.st_mtime_ns) == (size, int(header["mtime_ns"])):
@@ -184,25 +218,31 @@ class Receiver:
             checkpoint.write_replica_info(final, {"sha256": sent, "from": header.get("host"), "size": size})
 
         storage.publish(final, write)
-        checkpoint.prune(self.directory, self.keep_latest_k)
+        if final.parent == self.directory:  # a checkpoint, not best.pt: keep_latest_k, before the "ok"
+            checkpoint.prune(self.directory, self.keep_latest_k)
         conn.sendall(f"ok {digest.hexdigest()}\n".encode())
 
 
 class Sender:
-    """Rank 0's thread: sends the newest saved checkpoint to every receiver, one at a time; a save made
-    while a transfer runs replaces the one waiting (only the newest copy matters)."""
+    """Rank 0's thread: sends the newest saved checkpoint, then best.pt when it changed, to every
+    receiver, one at a time; a save made while a transfer runs replaces the one waiting (only the newest
+    copy matters), as a new best.pt replaces the best.pt waiting."""
 
     def __init__(self, targets: list[tuple[int, str, str]], timeout_s: float) -> None:
         self.targets, self.timeout_s = targets, timeout_s  # (rank, host, "ip|port|token")
         self.cond = threading.Condition()
         self.pending: Path | None = None
+        self.pending_best: tuple[Path, Path | None] | None = None  # best.pt, the checkpoint it links
         self.busy = False
         self.results: dict[Path, list[str]] = {}  # failures per file, for finish()
         self.thread: threading.Thread | None = None
 
-    def send(self, path: Path) -> None:
+    def send(self, path: Path | None, best: tuple[Path, Path | None] | None = None) -> None:
+        """Queue the checkpoint `path` and/or `best`: (best.pt, the checkpoint it is a hard link of, or
+        None: best.pt written on its own)."""
         with self.cond:
-            self.pending = path
+            self.pending = path or self.pending
+            self.pending_best = best or self.pending_best
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, name="ddp-replica-send", daemon=True)
                 self.thread.start()
@@ -211,30 +251,35 @@ class Sender:
     def wait(self, timeout_s: float) -> bool:
         """Whether everything sent so far was dealt with (copied or failed) within `timeout_s`."""
         with self.cond:
-            return self.cond.wait_for(lambda: self.pending is None and not self.busy, timeout_s)
+            return self.cond.wait_for(
+                lambda: self.pending is None and self.pending_best is None and not self.busy, timeout_s
+            )
 
     def _run(self) -> None:
         while True:
             with self.cond:
-                self.cond.wait_for(lambda: self.pending is not None)
-                path, self.pending, self.busy = self.pending, None, True
-            assert path is not None
-            failed = []
-            for rank, host, address in self.targets:
-                try:
-                    self._send_one(path, rank, host, address)
-                except Exception as exc:  # noqa: BLE001 - a failed copy is a warning, never the run's end
-                    failed.append(host)
-                    log.warning(
-                        "replica of %s to %s (rank %d) failed: %s; this checkpoint is on this node only",
-                        path.name, host, rank, exc,
-                    )  # fmt: skip
+                self.cond.wait_for(lambda: self.pending is not None or self.pending_best is not None)
+                path, best, self.busy = self.pending, self.pending_best, True
+                self.pending = self.pending_best = None
+            # the checkpoint first: a best.pt that links it then arrives as a link, not its bytes again
+            for what, links in ([(path, None)] if path else []) + ([best] if best else []):
+                failed = []
+                for rank, host, address in self.targets:
+                    try:
+                        self._send_one(what, rank, host, address, links)
+                    except Exception as exc:  # noqa: BLE001 - a failed copy is a warning, never the run's end
+                        failed.append(host)
+                        log.warning(
+                            "replica of %s to %s (rank %d) failed: %s; this copy is on this node only",
+                            what.name, host, rank, exc,
+                        )  # fmt: skip
+                with self.cond:
+                    self.results[what] = failed
             with self.cond:
-                self.results[path] = failed
                 self.busy = False
                 self.cond.notify_all()
 
-    def _send_one(self, path: Path, rank: int, host: str, address: str) -> None:
+    def _send_one(self, path: Path, rank: int, host: str, address: str, links: Path | None = None) -> None:
         ip, port, token = address.split("|")
         t0 = time.perf_counter()
         with open(path, "rb") as src:  # an open file survives its pruning by the next save
@@ -243,6 +288,9 @@ class Sender:
                 f = conn.makefile("rb")
                 header = {"name": path.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
                           "token": token, "host": socket.gethostname()}  # fmt: skip
+                with contextlib.suppress(OSError):  # still the same file (a later best.pt is not)?
+                    if links is not None and os.stat(links).st_ino == st.st_ino:
+                        header["link"] = links.name
                 conn.sendall(json.dumps(header).encode() + b"\n")
                 answer = _readline(f)
                 if answer == "have":
@@ -280,8 +328,10 @@ class Replicas:
         keep_latest_k: int,
         master_addr: str | None,
         timeout_s: float,
+        best_path: Path | None = None,
     ) -> None:
         self.directory, self.rank, self.keep_latest_k = directory, rank, keep_latest_k
+        self.best_path = best_path
         self.master_addr, self.timeout_s = master_addr, timeout_s
         self.receivers = receivers(rank, world_size, local_world_size, replicas)
         self.receiver: Receiver | None = None
@@ -294,14 +344,17 @@ class Replicas:
         c = cfg.checkpoint
         return cls(cfg.checkpoint_dir, rank=env.rank, local_rank=env.local_rank, world_size=env.world_size,
                    local_world_size=env.local_world_size, replicas=c.replicas, keep_latest_k=c.keep_latest_k,
-                   master_addr=env.master_addr, timeout_s=c.io_timeout_s)  # fmt: skip
+                   master_addr=env.master_addr, timeout_s=c.io_timeout_s,
+                   best_path=cfg.run_dir / "best.pt" if cfg.eval.keep_best else None)  # fmt: skip
 
     def offer(self) -> dict[str, Any]:
         """What this rank adds to the startup report: its listening address if it keeps a replica."""
         if self.rank not in self.receivers or self.receiver is not None:
             return {}
         try:
-            self.receiver = Receiver(self.directory, self.keep_latest_k, self.master_addr, self.timeout_s)
+            self.receiver = Receiver(
+                self.directory, self.keep_latest_k, self.master_addr, self.timeout_s, self.best_path
+            )
         except OSError as exc:
             return {"replica_error": f"cannot listen on the training network: {exc}"}
         return {"replica_addr": self.receiver.address}
@@ -320,10 +373,16 @@ class Replicas:
                 log.warning("no checkpoint replica on %s (rank %d): %s", host, r, report.get("replica_error"))
         self.sender = Sender(targets, self.timeout_s) if targets else None
 
-    def send(self, path: Path) -> None:
+    def send(self, path: Path, best: Path | None = None) -> None:
+        """After a save: its checkpoint, and best.pt when it became a hard link to it."""
         if self.sender is not None:
             self.last = path
-            self.sender.send(path)
+            self.sender.send(path, (best, path) if best is not None else None)
+
+    def send_best(self, best: Path) -> None:
+        """After best.pt was written on its own (the weights alone, at a step that is no checkpoint)."""
+        if self.sender is not None:
+            self.sender.send(None, (best, None))
 
     def finish(self, timeout_s: float) -> None:
         """Rank 0, after the last save: wait up to `timeout_s` for its replica, or say that it did not

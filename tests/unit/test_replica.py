@@ -245,3 +245,35 @@ def test_rank_0_gives_up_on_a_stalled_replica_well_before_the_others_wait_ends(t
         "the replica of step-00000010.pt on node1 did not complete within 2s: the last checkpoint is on "
         "this node only"
     ]
+
+
+def test_best_pt_reaches_the_replica_node_as_a_link_to_its_copy_or_as_its_own_bytes(tmp_path, caplog):
+    """#48: best.pt survived only on rank 0's node. Linked to a checkpoint there, it becomes a hard link
+    to the receiver's verified copy of that checkpoint (no second transfer); written on its own (a step
+    that is no checkpoint), its bytes are sent, checked and kept beside the receiver's checkpoints."""
+    caplog.set_level(logging.INFO, "ddp_train")
+    best_there = tmp_path / "node1" / "run" / "best.pt"
+    r = replica.Receiver(tmp_path / "node1" / "run" / "checkpoints", 2, "127.0.0.1", 10, best_path=best_there)
+    try:
+        sender = replica.Sender([(1, "node1", r.address)], timeout_s=10)
+        src = checkpoint.save(state(10), tmp_path / "node0" / "run" / "checkpoints", 10)
+        best_here = tmp_path / "node0" / "run" / "best.pt"
+        best_here.hardlink_to(src)
+        sender.send(src, (best_here, src))
+        assert sender.wait(20) and sender.results == {src: [], best_here: []}
+        copy = r.directory / src.name
+        assert best_there.stat().st_ino == copy.stat().st_ino  # a link to the copy, not a second one
+        assert "best.pt is the replica step-00000010.pt (a hard link)" in caplog.text
+        assert len(re.findall(r"saved replica node1:", caplog.text)) == 1  # the checkpoint's bytes only
+        best_here.unlink()
+        checkpoint.save_file(state(12), best_here)  # a new best at step 12, no checkpoint of it
+        sender.send(None, (best_here, src))  # a stale link hint: best.pt is no longer that file
+        assert sender.wait(20) and sender.results[best_here] == []
+        assert best_there.read_bytes() == best_here.read_bytes()
+        assert best_there.stat().st_ino != copy.stat().st_ino and copy.exists()
+        assert (
+            json.loads(checkpoint.replica_info(best_there).read_text())["sha256"]
+            == hashlib.sha256(best_here.read_bytes()).hexdigest()
+        )
+    finally:
+        r.close()
