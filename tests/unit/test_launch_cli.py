@@ -245,7 +245,7 @@ def test_the_fresh_check_knows_the_trainers_checkpoint_names_and_names_the_newes
     assert line == (
         "--fresh (checkpoint.resume: never) but n1:/w/runs/a/checkpoints already holds 2 checkpoint(s), "
         "the newest of step 30 (step-00000030.pt, saved 1970-01-01 00:01:40 UTC, 1h00m ago) (checkpoints "
-        "also on n0); use another run.name (or checkpoint.dir), delete that directory to start over, or "
+        "also on n0); use another run.name (or checkpoint.dir), delete those directories to start over, or "
         "resume from it without --fresh; nothing was started"
     )
 

@@ -53,6 +53,6 @@ def refusal(found: Sequence[tuple[str, Any]], now: float | None = None) -> str |
     return (
         f"--fresh (checkpoint.resume: never) but {host}:{f['dir']} already holds {f['count']} "
         f"checkpoint(s), the newest of step {step} ({name}, saved {when(mtime, now)}){also}; use another "
-        "run.name (or checkpoint.dir), delete that directory to start over, or resume from it without "
-        "--fresh; nothing was started"
+        f"run.name (or checkpoint.dir), delete {'those directories' if others else 'that directory'} to "
+        "start over, or resume from it without --fresh; nothing was started"
     )
