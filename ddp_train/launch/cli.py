@@ -236,7 +236,8 @@ def _doctor(plan: JobPlan, opts: argparse.Namespace) -> int:
 def _slurm_dry_run(plan: JobPlan, slurm: SlurmSettings) -> int:
     from ddp_train.launch.slurm.submit import shown_script
 
-    print(f"# job {plan.job_id}: {len(plan.nodes)} nodes through Slurm: sbatch on {slurm.submit.name}")
+    nodes = slurm.nodes or len(plan.nodes)  # a login-only inventory: --nodes, its only "node" the login host
+    print(f"# job {plan.job_id}: {nodes} nodes through Slurm: sbatch on {slurm.submit.name}")
     print(shown_script(plan, slurm))
     return 0
 

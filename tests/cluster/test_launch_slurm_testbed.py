@@ -474,3 +474,58 @@ def _comm(pid: int) -> str:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return ""
+
+
+def test_a_login_only_inventory_without_shared_storage_runs_the_trainer_and_a_user_script(
+    cluster, tmp_path: Path
+) -> None:
+    """Issue #48: the cluster as its admins run it. The inventory names only a login host (node2, no
+    gpu_nodes: --nodes gives the count, the login host's variables every node's), and ddp_workdir is each
+    node's own disk (/srv, which every testbed host overlays; slurm_shared_workdir: false). The trainer
+    and a --sync'd user script (inside the batch script, unpacked on every node by the driver's first
+    step) run to the end on node0 and node1; the launcher reads their lines through srun on node2."""
+    tb, root = cluster
+    base = yaml.safe_load((root / "inventory" / "hosts.yml").read_text())["all"]
+    login = base["children"]["gpu_nodes"]["hosts"]["node2"]
+    workdir = f"/srv/ddp-lo-{os.getpid()}"
+    inv = tmp_path / "login-only"
+    inv.mkdir()
+    variables = {**base["vars"], "ddp_workdir": workdir, "slurm_shared_workdir": False, "slurm_nodes": 2}
+    doc = {"all": {"children": {"slurm_login": {"hosts": {"node2": login}}}, "vars": variables}}
+    (inv / "hosts.yml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    job = ["--backend", "slurm", "--hosts", str(inv), "--time", "10"]
+    t0 = time.monotonic()
+    code, out = ddp_launch(
+        [*job, "--job-id", "sl-lo", "--set", "train.max_steps=4", "--set", "run.dir=r"], root
+    )
+    assert code == 0, out
+    finals = [FINAL.match(ln).groups() for ln in out.splitlines() if FINAL.match(ln)]
+    assert sorted((h, rank, world, step) for h, _, rank, world, step, _ in finals) == [
+        ("node0", "0", "2", "4"), ("node1", "1", "2", "4"),
+    ], out  # fmt: skip
+    assert len({sha for *_, sha in finals}) == 1, "ranks ended with different parameters"
+    assert re.search(r"Slurm job \d+: COMPLETED", out) and "ddp-slurm: job" in out, out
+    for i in range(2):  # the checkpoints on each node's own disk, nothing on the login host's
+        assert tb.exec(tb.hosts()[i], f"test -d {workdir}/r", check=False).returncode == 0
+    assert tb.exec(tb.hosts()[2], f"test -e {workdir}/r", check=False).returncode != 0
+    assert not Path(workdir).exists()
+    print(f"login-only trainer: {time.monotonic() - t0:.0f}s")
+
+    project = tmp_path / "my project"
+    project.mkdir()
+    (project / "train.py").write_text(SEED_SCRIPT)
+    (project / "mymodel.py").write_text(HELPER)
+
+    def args(again: str) -> list[str]:
+        return [*job, "--job-id", f"sl-lo-sync{again}", "--sync", str(project), "train.py", "--epochs", "1"]
+
+    code, out = launch_user_script(args, root, 2)
+    assert code == 0, out
+    assert re.search(r"sync: 2 file\(s\), \d+ bytes inside the batch script", out), out
+    finals = SEED_FINAL.findall(out)
+    assert sorted((h, rank, w) for h, _, rank, w, _ in finals) == [
+        ("node0", "0", "2"),
+        ("node1", "1", "2"),
+    ], out
+    assert len({sha for *_, sha in finals}) == 1, "ranks ended with different parameters"
+    print(f"login-only trainer and user script: {time.monotonic() - t0:.0f}s")

@@ -799,3 +799,150 @@ def test_a_requeued_allocation_counts_the_losses_before_it_and_resumes(
         "giving up: 3 node(s) lost, more than ddp_max_node_losses 2 (n3, n0, n1 lost)"
         in (out / protocol.DRIVER_LOG).read_text()
     )
+
+
+# ---- issue #48: a login-only inventory, no shared storage ----------------------------------------------
+
+
+def login_only(tmp_path: Path, extra: str = "") -> str:
+    path = tmp_path / "login.yml"
+    path.write_text(
+        "all:\n  vars:\n    ansible_connection: local\n    ddp_workdir: /scratch/ddp\n"
+        + extra
+        + "  children:\n"
+        "    slurm_login:\n      hosts:\n        login0: {}\n"
+    )
+    return str(path)
+
+
+def test_a_login_only_inventory_takes_the_node_count_from_nodes_and_says_so_in_one_line(
+    tmp_path: Path,
+) -> None:
+    inv = login_only(tmp_path)
+    with pytest.raises(LaunchError, match=r"no compute nodes, only the slurm_login host login0: .*--nodes N"):
+        settings.load(opts(backend="slurm"), [inv], [])
+    s = settings.load(opts(backend="slurm", slurm_nodes=4), [inv], [])
+    assert (s.login_only, s.nodes, s.submit.name, s.shared_workdir) == (True, 4, "login0", True)
+    s = settings.load(opts(backend="slurm"), [login_only(tmp_path, "    slurm_nodes: 3\n")], [])
+    assert s.nodes == 3 and s.sbatch_options("j", 1)[1] == "--nodes=3"
+    # every node's settings are the login host's: the plan's one node is the template
+    plan = build_plan(load_nodes([inv]), Options(job_id="sj"))
+    job = json.loads(base64.b64decode(submit.batch_script(plan, s).splitlines()[-1].split('"')[1]))
+    assert job["workdir"] == "/scratch/ddp" and job["shared"] and job["logs_in"] == "/scratch/ddp"
+    # the existing shape is unchanged: nodes in gpu_nodes, the count from them
+    s = settings.load(opts(), [inventory(tmp_path)], [])
+    assert (s.login_only, s.nodes, s.shared_workdir) == (False, None, True)
+
+
+@pytest.mark.parametrize(("value", "shared"), [("false", False), ("no", False), ("true", True)])
+def test_slurm_shared_workdir_false_starts_in_tmp_and_keeps_the_logs_in_ddp_workdir(
+    tmp_path: Path, value: str, shared: bool
+) -> None:
+    inv = login_only(tmp_path)
+    s = settings.load(opts(backend="slurm", slurm_nodes=2), [inv], [f"slurm_shared_workdir={value}"])
+    assert s.shared_workdir is shared
+    plan = build_plan(load_nodes([inv]), Options(job_id="sj"))
+    lines = submit.batch_script(plan, s).splitlines()
+    assert f"#SBATCH --chdir={'/scratch/ddp' if shared else '/tmp'}" in lines
+    job = json.loads(base64.b64decode(lines[-1].split('"')[1]))
+    assert (job["shared"], job["logs_in"], job["stage"]) == (shared, "/scratch/ddp", None)
+    with pytest.raises(LaunchError, match="slurm_shared_workdir 'maybe': true or false"):
+        settings.load(opts(backend="slurm", slurm_nodes=2), [inv], ["slurm_shared_workdir=maybe"])
+
+
+def test_without_shared_storage_ddp_workdir_must_be_an_absolute_path(tmp_path: Path) -> None:
+    path = tmp_path / "h.yml"
+    path.write_text("all:\n  vars:\n    ansible_host: 192.0.2.6\n  children:\n"
+                    "    slurm_login:\n      hosts:\n        login0: {}\n")  # fmt: skip
+    s = settings.load(opts(backend="slurm", slurm_nodes=2), [str(path)], ["slurm_shared_workdir=false"])
+    plan = build_plan(load_nodes([str(path)]), Options(job_id="sj"))
+    with pytest.raises(LaunchError, match="slurm_shared_workdir: false needs ddp_workdir, an absolute path"):
+        submit.batch_script(plan, s)
+
+
+def test_the_stage_step_unpacks_the_sync_copy_on_a_node_and_keeps_an_intact_one(tmp_path: Path) -> None:
+    from ddp_train.launch.remote.sync import scan
+
+    proj = tmp_path / "proj"
+    (proj / "pkg").mkdir(parents=True)
+    (proj / "train.py").write_text("print('hi')\n")
+    (proj / "pkg" / "m.py").write_text("X = 1\n")
+    manifest = scan(str(proj))
+    work = tmp_path / "node" / "work"
+    dest = f"{work}/.ddp-launch/sync/{manifest.name}"
+    job = {"logs_in": str(work), "stage": {**submit.stage_archive(manifest), "dir": dest}}
+
+    def run() -> str:
+        res = subprocess.run(
+            [sys.executable, "-m", "ddp_train.launch.slurm.task", "--stage"],
+            input=(json.dumps(job) + "\n").encode(), capture_output=True, check=True,
+        )  # fmt: skip
+        return res.stdout.decode()
+
+    assert "unpacked" in run()
+    assert (Path(dest) / "train.py").read_text() == "print('hi')\n" and (
+        Path(dest) / "pkg" / "m.py"
+    ).is_file()
+    assert "up to date" in run()
+    job["stage"] = None  # no --sync: ddp_workdir is created all the same
+    work2 = tmp_path / "other"
+    job["logs_in"] = str(work2)
+    run()
+    assert work2.is_dir()
+
+
+def test_the_driver_stages_through_one_srun_step(tmp_path: Path, monkeypatch) -> None:
+    srun = tmp_path / "srun"
+    srun.write_text(FAKE_SRUN.format(python=sys.executable, rewrite=json.dumps(None)))
+    srun.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    said: list[str] = []
+    job = {"venv": sys.prefix, "logs_in": str(tmp_path / "w"), "stage": None}
+    assert driver.stage(job, ["node-a", "node-b"], said.append)
+    assert (tmp_path / "w").is_dir()
+    assert not said, said
+
+
+def test_the_last_line_waits_for_a_launcher_that_reads_through_srun(tmp_path: Path) -> None:
+    (tmp_path / protocol.DRIVER_LOG).write_text("ddp-slurm: job 7: done, exit 0\n")
+    size = (tmp_path / protocol.DRIVER_LOG).stat().st_size
+    assert not driver.wait_read(tmp_path, wait_s=5)  # nobody reads through srun: no wait
+    ack = tmp_path / protocol.READ_ACK
+    ack.write_text(str(size - 5))
+    assert not driver.wait_read(tmp_path, wait_s=0.3)  # behind, and it does not catch up
+    os.utime(ack, (1, 1))
+    assert not driver.wait_read(tmp_path, wait_s=5)  # the launcher stopped reading (detached)
+    ack.write_text(str(size))
+    assert driver.wait_read(tmp_path, wait_s=5)
+
+
+def test_where_the_drivers_files_are_read() -> None:
+    running = jobctl.SlurmState("RUNNING", batch_host="c17")
+    assert jobctl.reader("9", running, shared=True, ssh_able=True) == ("batch", [])
+    assert jobctl.reader("9", running, shared=True, ssh_able=False) == ("submit", [])
+    host, through = jobctl.reader("9", running, shared=False, ssh_able=False)
+    assert host == "submit" and through[:5] == [
+        "srun",
+        "--jobid=9",
+        "--overlap",
+        "--nodelist=c17",
+        "--nodes=1",
+    ]
+    assert jobctl.reader("9", jobctl.SlurmState("COMPLETED", batch_host="c17"), False, False) is None
+    assert jobctl.reader("9", jobctl.SlurmState("PENDING"), True, False) is None
+
+
+def test_read_logs_through_srun_acknowledges_what_the_launcher_had(tmp_path: Path) -> None:
+    (tmp_path / "driver.log").write_text("a\nb\n")
+    (tmp_path / "r0-c1.log").write_text("x\n")
+
+    class Local:
+        def exec(self, command: str, timeout: float = 30, stdin: bytes | None = None) -> tuple[int, str]:
+            res = subprocess.run(command, shell=True, input=stdin, capture_output=True)
+            return res.returncode, res.stdout.decode()
+
+    got = jobctl.read_logs(Local(), sys.executable, str(tmp_path), {"driver.log": 2}, through=["env"])
+    assert got == {"driver.log": [4, "b\n"], "r0-c1.log": [2, "x\n"]}
+    assert (tmp_path / protocol.READ_ACK).read_text() == "2"
+    jobctl.read_logs(Local(), sys.executable, str(tmp_path), {})  # over SSH or on shared storage: no ack
+    assert (tmp_path / protocol.READ_ACK).read_text() == "2"

@@ -19,6 +19,10 @@ receive the signal until the foreground process exits"). The driver
    `scontrol requeue`, and the job starts again and resumes from the newest checkpoint;
 5. with ddp_on_node_loss: restart, runs the job again on the nodes left after a node loss, as long as
    recovery.py's record of the attempts and its limits allow.
+
+Without shared storage (slurm_shared_workdir: false) it first creates ddp_workdir on every node and
+unpacks the job's --sync copy there (one srun step, `task --stage`), and its last line waits until the
+launcher, reading through srun, has it (protocol.READ_ACK).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from ddp_train.launch.slurm.protocol import DRIVER_LOG, STOP, SUBMIT_UMASK, log_dir
+from ddp_train.launch.slurm.protocol import DRIVER_LOG, READ_ACK, STOP, SUBMIT_UMASK, log_dir
 from ddp_train.launch.slurm.recovery import ATTEMPTS_FILE, Attempts, limit_reached
 from ddp_train.launch.slurm.task import own_address
 
@@ -47,6 +51,9 @@ PROBE_TIMEOUT_S = 180  # the in-job preflight step: the probe allows itself 120 
 TASK = "ddp_train.launch.slurm.task"  # what srun runs on every node (task.py)
 SRUN_WAIT_S = 60  # srun --wait: the other tasks' end after the first one exited
 RUNNING_TASKS = re.compile(r"StepId=\S+ tasks? ([\d,-]+): running")
+STAGE_TIMEOUT_S = 300  # the --sync copy unpacked on every node (no shared storage)
+ACK_WAIT_S = 30  # no shared storage: the last line waits this long for the launcher to have read it
+ACK_FRESH_S = 15  # ... when the launcher read within this (none: nobody follows the job, no wait)
 
 
 def free_port(addr: str, first: int) -> int:
@@ -74,7 +81,11 @@ def main(blob: str, early: Sequence[int] = ()) -> int:
         check=True,
     ).stdout.split()
     restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-    out_dir = Path(log_dir(job.get("workdir"), slurm_job))
+    shared = job.get("shared", True)
+    if not shared:  # ddp_workdir on this node's own disk: the batch script started in /tmp
+        os.makedirs(job["logs_in"], mode=0o700, exist_ok=True)
+        os.chdir(job["logs_in"])
+    out_dir = Path(log_dir(job.get("logs_in", job.get("workdir")), slurm_job))
     moved = _fresh_log_dir(out_dir) if restarts == 0 else None
     out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     say = _Say(out_dir / DRIVER_LOG)
@@ -92,7 +103,14 @@ def main(blob: str, early: Sequence[int] = ()) -> int:
         record.lose(record.started, "the batch host of the allocation before: Slurm requeued the job after a "
                     "node failure (sbatch --requeue)")  # fmt: skip
     record.start(hosts[0])
-    code = _attempts(job, slurm_job, hosts, out_dir, say, stop, restarts, record)
+    if not shared:
+        ok = stage(job, hosts, say)
+        job = {k: v for k, v in job.items() if k != "stage"}  # the later steps' line without the archive
+    if shared or ok:
+        code = _attempts(job, slurm_job, hosts, out_dir, say, stop, restarts, record)
+    else:
+        say(f"ddp-slurm: job {slurm_job}: ddp_workdir could not be prepared on every node; nothing started")
+        code = 3
     max_requeues = int(job.get("max_requeues") or 0)
     if stop.signum == signal.SIGUSR1 and code == 143 and record.usr1 < max_requeues:
         record.end(usr1=True)
@@ -104,7 +122,52 @@ def main(blob: str, early: Sequence[int] = ()) -> int:
     else:
         record.end()
         say(f"ddp-slurm: job {slurm_job}: done, exit {code}")  # DONE: the launcher ends here (submit.py)
+    if not shared:
+        wait_read(out_dir)
     return code
+
+
+def stage(job: Mapping[str, Any], hosts: Sequence[str], say: Callable[[str], None]) -> bool:
+    """No shared storage: ddp_workdir created on every node, the job's --sync copy (if any) unpacked there
+    (one srun step, its archive on the step's stdin, which srun gives every task). False when a node
+    failed (its lines said)."""
+    python = f"{job['venv'].rstrip('/')}/bin/python"
+    argv = [*_step(len(hosts)), f"--wait={SRUN_WAIT_S}", python, "-m", TASK, "--stage"]
+    line = (json.dumps(job) + "\n").encode()
+    try:
+        res = subprocess.run(argv, input=line, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             timeout=STAGE_TIMEOUT_S)  # fmt: skip
+        output, code = res.stdout.decode("utf-8", "replace"), res.returncode
+    except subprocess.TimeoutExpired as e:
+        output, code = (e.stdout or b"").decode("utf-8", "replace"), 124
+    for text in output.splitlines():
+        m = LABEL.match(text)
+        if m and int(m.group(1)) < len(hosts):
+            say(f"ddp-slurm: stage: {hosts[int(m.group(1))]}: {m.group(2)}")
+        elif text.strip():
+            say(text)
+    if code != 0:
+        say(f"ddp-slurm: stage: the step exited {code}")
+    return code == 0
+
+
+def wait_read(out_dir: Path, wait_s: float = ACK_WAIT_S, fresh_s: float = ACK_FRESH_S) -> bool:
+    """Without shared storage nothing reads the driver's files once the job ended: wait (at most wait_s)
+    until the launcher, reading through srun, had all of driver.log (protocol.READ_ACK); not at all when
+    nobody read within fresh_s (the launcher detached). True when it had."""
+    ack, log = out_dir / READ_ACK, out_dir / DRIVER_LOG
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            if int(ack.read_text() or 0) >= log.stat().st_size:
+                return True
+            if time.time() - ack.stat().st_mtime > fresh_s:
+                return False
+        except (OSError, ValueError):
+            return False
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
 
 
 def private_output(fd: int = 1) -> None:

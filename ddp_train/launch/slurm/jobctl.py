@@ -7,9 +7,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import shlex
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ddp_train import exitcodes
+from ddp_train.launch.slurm.protocol import READ_ACK
 
 if TYPE_CHECKING:
     from ddp_train.launch.remote.remote import Session
@@ -132,7 +134,9 @@ def cancel(session: Session, slurm_id: str) -> tuple[int, str]:
     return session.exec(f"scancel {shlex.quote(slurm_id)}", 20)
 
 
-# Reads the per-node files a driver wrote (r<N>-<host>.log) from the given offsets: JSON on stdout.
+# Reads the per-node files a driver wrote (r<N>-<host>.log) from the given offsets: JSON on stdout. With
+# "ack" (through srun into the job: no shared storage) it also writes how much of driver.log the launcher
+# already had (protocol.READ_ACK), what the driver's end waits for.
 _READ = r"""
 import json, os, sys
 d, offsets = sys.argv[1], json.loads(sys.stdin.readline())
@@ -145,19 +149,52 @@ for name in sorted(os.listdir(d), key=lambda n: (n != "driver.log", n)) if os.pa
             data = f.read(1 << 20)
         cut = data.rfind(b"\n") + 1
         out[name] = [offsets.get(name, 0) + cut, data[:cut].decode("utf-8", "replace")]
+if sys.argv[2:] == ["ack"] and os.path.isdir(d):
+    tmp = os.path.join(d, "READ_ACK.tmp")
+    with open(tmp, "w") as f:
+        f.write(str(offsets.get("driver.log", 0)))
+    os.replace(tmp, os.path.join(d, "READ_ACK"))
 print("DDP-SLURM-LOGS " + json.dumps(out))
-"""
+""".replace("READ_ACK", READ_ACK)
 
 
-def read_logs(session: Session, python: str, directory: str, offsets: dict[str, int]) -> dict[str, Any]:
-    """{file: [new offset, new whole lines]} of the driver's per-node files on the batch host."""
-    cmd = shlex.join([python, "-c", _READ, directory])
+def read_logs(
+    session: Session, python: str, directory: str, offsets: dict[str, int], through: Sequence[str] = ()
+) -> dict[str, Any]:
+    """{file: [new offset, new whole lines]} of the driver's per-node files: on the session's host, or
+    with `through` (srun_into) from the submit host through Slurm on the batch host."""
+    cmd = shlex.join([*through, python, "-c", _READ, directory, *(["ack"] if through else [])])
     rc, out = session.exec(cmd, 30, stdin=(json.dumps(offsets) + "\n").encode())
     for ln in out.splitlines():
         if ln.startswith("DDP-SLURM-LOGS "):
             data: dict[str, Any] = json.loads(ln.split(" ", 1)[1])
             return data
     return {}
+
+
+def srun_into(slurm_id: str, host: str) -> list[str]:
+    """srun's argv for one task on `host` inside the running job, beside its steps (srun(1) --overlap,
+    Slurm 20.11+): how the submit host reads the batch host's files without shared storage or SSH."""
+    return [
+        "srun", f"--jobid={slurm_id}", "--overlap", f"--nodelist={host}", "--nodes=1", "--ntasks=1",
+        "--quiet", "--kill-on-bad-exit=0",
+    ]  # fmt: skip
+
+
+def reader(slurm_id: str, s: SlurmState, shared: bool, ssh_able: bool) -> tuple[str, list[str]] | None:
+    """Where the driver's files of the job in state `s` are read: ("batch", []) over SSH on the batch host
+    (an inventory node), ("submit", []) on the submit host (it sees the shared ddp_workdir), ("submit",
+    srun_into(...)) from there through Slurm (no shared storage: only while the job runs); None: nowhere
+    now."""
+    if not s.batch_host:
+        return None
+    if ssh_able:
+        return "batch", []
+    if shared:
+        return "submit", []
+    if s.state.startswith("RUNNING"):
+        return "submit", srun_into(slurm_id, s.batch_host)
+    return None
 
 
 def label(name: str) -> tuple[str, str]:
@@ -223,12 +260,13 @@ def command(opts: Any, job_dir: Any, data: dict[str, Any]) -> int | None:
         offsets: dict[str, int] = {}
         while True:  # logs [-f], attach
             batch = nodes.get(s.batch_host)
-            if batch is not None:
+            where = reader(slurm_id, s, bool(slurm.get("shared", True)), batch is not None)
+            if where is not None:
                 from ddp_train.launch.remote.remote import open_session
 
-                got = read_logs(
-                    open_session(batch), f"{batch.venv.rstrip('/')}/bin/python", slurm["dir"], offsets
-                )
+                on, through = (open_session(batch), []) if where[0] == "batch" else (session, where[1])
+                venv = batch.venv if where[0] == "batch" else batch_venv(slurm)
+                got = read_logs(on, f"{venv.rstrip('/')}/bin/python", slurm["dir"], offsets, through)
                 for name, (offset, text) in sorted(got.items()):
                     offsets[name] = offset
                     for line in text.splitlines():
@@ -243,6 +281,13 @@ def command(opts: Any, job_dir: Any, data: dict[str, Any]) -> int | None:
         return exitcodes.NODE_FAILED
     except KeyboardInterrupt:
         return 0  # following only: the job keeps running
+
+
+def batch_venv(slurm: dict[str, Any]) -> str:
+    """The job's venv (job.json of a launcher before it recorded one: the inventory's default)."""
+    from ddp_train.launch.plan.inventory import DEFAULT_REMOTE_VENV
+
+    return str(slurm.get("venv") or DEFAULT_REMOTE_VENV)
 
 
 def _sessions(slurm: dict[str, Any]) -> tuple[Session, dict[str, Any]]:

@@ -9,6 +9,10 @@ import re
 STOP = b"stop\n"  # the driver's only line to the nodes after the job: each node's task stops its torchrun
 SUBMIT_UMASK = "DDP_SUBMIT_UMASK"  # the submit shell's umask, in the batch script's environment (submit.py)
 DRIVER_LOG = "driver.log"  # the driver's own lines (and srun's), beside the nodes' r<N>-<host>.log
+# Without shared storage (slurm_shared_workdir: false) the launcher reads the driver's files through
+# `srun --overlap` into the running job (jobctl.read_logs), which writes here how much of driver.log it
+# already had: the driver's last line waits for that, since nothing can read the files once the job ended.
+READ_ACK = "read-offset"
 # The driver's lines the launcher acts on (submit.py): its last one, the requeue (the ranks' stops before
 # it were the earlier attempt's) and the one naming nodes that went away without an exit status.
 DONE = re.compile(r"^ddp-slurm: job \d+: done, exit (\d+)$")
@@ -22,3 +26,9 @@ def log_dir(workdir: str | None, slurm_job: str) -> str:
     """Where the driver keeps each node's output (relative: to the job's working directory)."""
     base = f"{workdir.rstrip('/')}/" if workdir else ""
     return f"{base}.ddp-launch/slurm-{slurm_job}"
+
+
+def batch_dir(workdir: str | None, shared: bool) -> str | None:
+    """The batch script's --chdir: ddp_workdir, or /tmp when ddp_workdir is each node's own disk (it may
+    not exist yet there: the driver creates it; Slurm would otherwise run the script in /tmp anyway)."""
+    return workdir if shared else "/tmp"

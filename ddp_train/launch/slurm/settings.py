@@ -1,7 +1,9 @@
 """What a Slurm job is submitted with: flags first, then the inventory's slurm_* variables.
 
 The submit host is the first host of the inventory's `slurm_login` group, else of `slurm_controller`
-(issue 28: sbatch runs there over the existing SSH code).
+(issue 28: sbatch runs there over the existing SSH code). An inventory of only those hosts (no
+`gpu_nodes`: the cluster's admins run the nodes) takes the node count from --nodes / slurm_nodes and every
+node's settings (ddp_venv, ddp_workdir, ...) from the submit host's variables (issue #48).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class SlurmSettings:
     signal_lead_s: int = 120  # --signal=B:USR1@lead: the driver stops the job this long before the limit
     requeue: bool = False
     max_requeues: int = 0
+    login_only: bool = False  # no compute node in the inventory: the nodes are Slurm's alone
+    shared_workdir: bool = True  # slurm_shared_workdir: false: ddp_workdir is each node's own disk
 
     def sbatch_options(self, job_id: str, nodes: int, restart: bool = False) -> list[str]:
         """`restart`: ddp_on_node_loss: restart, mapped onto Slurm's own mechanisms (docs/slurm.md):
@@ -113,12 +117,18 @@ def load(opts: argparse.Namespace, sources: Sequence[str], extra_vars: Sequence[
             f"{', '.join(sources)}: sbatch runs there"
         )
     submit = load_nodes(sources, group=group, extra_vars=extra_vars)[0]
+    login_only = _login_only(groups, getattr(opts, "group", None))
     values: dict[str, Any] = {}
     for name in FLAGS:
         flag = getattr(opts, f"slurm_{name}", None)
         values[name] = flag if flag is not None else hostvars.get(f"slurm_{name}")
     if values["nodes"] is not None:
         values["nodes"] = _positive(values["nodes"], "--nodes / slurm_nodes")
+    elif login_only:
+        raise LaunchError(
+            f"the inventory {', '.join(sources)} has no compute nodes, only the {group} host {submit.name}: "
+            "give the job's node count with --nodes N (or slurm_nodes)"
+        )
     if values["gpus_per_node"] is not None:  # 0: none, on a partition without GPUs
         values["gpus_per_node"] = _positive(
             values["gpus_per_node"], "--gpus-per-node / slurm_gpus_per_node", 0
@@ -144,6 +154,7 @@ def load(opts: argparse.Namespace, sources: Sequence[str], extra_vars: Sequence[
         max_requeues = hostvars.get("slurm_max_requeues", 0)
     max_requeues = int(max_requeues)
     requeue = bool(getattr(opts, "requeue", False) or hostvars.get("slurm_requeue", False) or max_requeues)
+    shared = _bool(hostvars.get("slurm_shared_workdir", True), "slurm_shared_workdir")
     return SlurmSettings(
         submit=submit,
         group=group,
@@ -153,8 +164,33 @@ def load(opts: argparse.Namespace, sources: Sequence[str], extra_vars: Sequence[
         signal_lead_s=lead,
         requeue=requeue,
         max_requeues=max(max_requeues, 1) if requeue else 0,
+        login_only=login_only,
+        shared_workdir=shared,
         **values,
     )
+
+
+def _login_only(groups: dict[str, list[str]], group: str | None = None) -> bool:
+    """The inventory's node group (--group, else gpu_nodes, else all: what the plan's nodes are) holds only
+    submit hosts (slurm_login, slurm_controller): the compute nodes are not in the inventory."""
+    from ddp_train.launch.plan.inventory import DEFAULT_GROUP
+
+    name = group or (DEFAULT_GROUP if groups.get(DEFAULT_GROUP) else "all")
+    submit = {h for g in SUBMIT_GROUPS for h in groups.get(g, [])}
+    hosts = set(groups.get(name, []))
+    return bool(hosts) and hosts <= submit
+
+
+def _bool(value: Any, name: str) -> bool:
+    """A boolean inventory variable (YAML's true/false, or a string of `-e name=false`)."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "yes", "on", "1"):
+        return True
+    if text in ("false", "no", "off", "0"):
+        return False
+    raise LaunchError(f"{name} {value!r}: true or false")
 
 
 def _positive(value: Any, name: str, least: int = 1) -> int:

@@ -24,6 +24,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from ddp_train import exitcodes
+from ddp_train.launch.errors import LaunchError
 from ddp_train.launch.jobs import jobstate
 from ddp_train.launch.pipeline import LaunchConfig, Refused, sync_nodes
 from ddp_train.launch.plan.plan import JobPlan, replan
@@ -31,11 +32,21 @@ from ddp_train.launch.run.logs import JobLog
 from ddp_train.launch.run.report import JobResult
 from ddp_train.launch.run.trainerlog import Stopped, parse_stopped
 from ddp_train.launch.slurm import jobctl
-from ddp_train.launch.slurm.protocol import ATTEMPT, DONE, DRIVER_LOG, GONE, REQUEUED, SUBMIT_UMASK, log_dir
+from ddp_train.launch.slurm.protocol import (
+    ATTEMPT,
+    DONE,
+    DRIVER_LOG,
+    GONE,
+    REQUEUED,
+    SUBMIT_UMASK,
+    batch_dir,
+    log_dir,
+)
 from ddp_train.launch.slurm.settings import SlurmSettings, minutes
 
 if TYPE_CHECKING:
     from ddp_train.launch.remote.remote import Session
+    from ddp_train.launch.remote.sync import Manifest
 
 POLL_S = 1.0
 # sbatch with SLURM_UMASK=0077: slurmstepd sets that umask before it creates the batch output file
@@ -48,12 +59,39 @@ POLL_S = 1.0
 # sh -c: whatever the login shell on the submit host is.
 SBATCH = "sh -c " + shlex.quote(f'SLURM_UMASK=0077 {SUBMIT_UMASK}="$(umask)" exec sbatch --parsable')
 COMPLETING_WAIT_S = 10.0  # a job whose batch script is done may stay COMPLETING this long before we report
+# Without shared storage --sync travels inside the batch script (a tar.gz, base64): slurmctld refuses a
+# script over max_script_size (SchedulerParameters, 4 MB by default, slurm.conf(5)).
+STAGE_MAX_BYTES = 2 << 20
+SRUN_READ_S = 3.0  # without shared storage: the driver's files are read through an srun step this often
 
 
-def batch_script(plan: JobPlan, s: SlurmSettings, preflight: bool = True) -> str:
+def stage_archive(manifest: Manifest) -> dict[str, str]:
+    """--sync for a job without shared storage: the directory as one tar.gz (base64) that the driver's
+    first step unpacks on every node into <ddp_workdir>/.ddp-launch/sync/<digest> (task.py --stage)."""
+    import io
+    import os
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as t:
+        for rel in sorted(manifest.entries):
+            t.add(os.path.join(manifest.root, rel), arcname=rel, recursive=False)
+    tar = base64.b64encode(buf.getvalue()).decode()
+    return {"name": manifest.name, "digest": manifest.digest, "tar": tar}
+
+
+def batch_script(
+    plan: JobPlan, s: SlurmSettings, preflight: bool = True, stage: dict[str, str] | None = None
+) -> str:
     """The script sbatch gets: #SBATCH lines, then the driver with the job as base64 JSON.
-    `preflight`: the driver checks the allocated nodes before training (--skip-preflight: not)."""
+    `preflight`: the driver checks the allocated nodes before training (--skip-preflight: not);
+    `stage`: --sync for nodes without shared storage (stage_archive)."""
     p = plan.nodes[0]
+    if not s.shared_workdir and not (p.node.workdir or "").startswith("/"):
+        raise LaunchError(
+            "slurm_shared_workdir: false needs ddp_workdir, an absolute path on each node's own disk "
+            f"(the driver creates it there), not {p.node.workdir!r}"
+        )
     config = None
     if plan.config and p.config_path:
         config = {"path": p.config_path, "text": Path(plan.config).read_text(encoding="utf-8")}
@@ -66,6 +104,7 @@ def batch_script(plan: JobPlan, s: SlurmSettings, preflight: bool = True) -> str
         "port": plan.master_port,
         "venv": p.node.venv,
         "workdir": p.cwd,
+        "logs_in": logs_base(plan, s),
         "config": config,
         "max_requeues": s.max_requeues,
         "resume_argv": list(replan(plan, (), plan.config).nodes[0].argv) if plan.options else None,
@@ -73,13 +112,15 @@ def batch_script(plan: JobPlan, s: SlurmSettings, preflight: bool = True) -> str
         "preflight": preflight,
         "gpu_health": p.node.gpu_health,
         "gpu_health_dcgm": p.node.gpu_health_dcgm,
+        "shared": s.shared_workdir,
+        "stage": stage,
     }
     blob = base64.b64encode(json.dumps(job).encode()).decode()
     lines = [f"#!{p.node.venv.rstrip('/')}/bin/python"]
     restart = plan.recovery.mode == "restart"
     lines += [f"#SBATCH {o}" for o in s.sbatch_options(plan.job_id, len(plan.nodes), restart=restart)]
-    if p.cwd:
-        lines.append(f"#SBATCH --chdir={p.cwd}")
+    if chdir := batch_dir(p.cwd, s.shared_workdir):
+        lines.append(f"#SBATCH --chdir={chdir}")
     lines.append("#SBATCH --output=ddp-slurm-%j.out")
     # Stop signals caught from the first line on, for the driver: Slurm may send a time limit's USR1 up to
     # 60 s before its lead (sbatch(1) --signal), at once in a short job, and USR1's default action kills.
@@ -93,6 +134,13 @@ def batch_script(plan: JobPlan, s: SlurmSettings, preflight: bool = True) -> str
         "",
     ]
     return "\n".join(lines)
+
+
+def logs_base(plan: JobPlan, s: SlurmSettings) -> str | None:
+    """Where the driver keeps its files (protocol.log_dir): the job's directory, or without shared storage
+    ddp_workdir itself (the job's --sync copy is unpacked there only after the driver started)."""
+    p = plan.nodes[0]
+    return p.cwd if s.shared_workdir else p.node.workdir
 
 
 def shown_script(plan: JobPlan, s: SlurmSettings) -> str:
@@ -191,6 +239,7 @@ class SlurmBackend:
         self.gone = ""  # the driver's line naming nodes that went away without an exit status
         self.stop_sent = False
         self.detached = False
+        self.read_at = 0.0  # the last read through srun (no shared storage)
 
     def __enter__(self) -> SlurmBackend:
         return self
@@ -207,7 +256,22 @@ class SlurmBackend:
         from ddp_train.launch.remote.remote import RemoteError
 
         log = self.log
-        if plan.sync:
+        stage = None
+        if plan.sync and not self.s.shared_workdir:
+            # No shared storage, and the nodes may be reachable through Slurm alone: the directory goes
+            # inside the batch script, and the driver's first step unpacks it on every node.
+            stage = {**stage_archive(plan.sync), "dir": plan.nodes[0].sync_dir or ""}
+            size = len(stage["tar"]) * 3 // 4
+            if size > STAGE_MAX_BYTES:
+                log.note(
+                    f"--sync {plan.sync.root}: {size} bytes compressed; without shared storage "
+                    f"(slurm_shared_workdir: false) it travels inside the batch script, at most "
+                    f"{STAGE_MAX_BYTES} bytes (Slurm's max_script_size): leave data out (--sync-exclude, "
+                    ".ddpignore) or put the code on storage the nodes share; nothing was submitted"
+                )
+                raise Refused(exitcodes.BAD_INPUT)
+            log.note(f"sync: {len(plan.sync.entries)} file(s), {size} bytes inside the batch script")
+        elif plan.sync:
             # One batch script, one --chdir: the synced copy must have one path on every node.
             dirs = sorted({p.sync_dir or "" for p in plan.nodes})
             if len(dirs) > 1:
@@ -232,7 +296,7 @@ class SlurmBackend:
             if problems:
                 log.note("nothing was submitted (fix the lines above, or --skip-preflight)")
                 raise Refused(exitcodes.PREFLIGHT)
-            script = batch_script(plan, self.s, preflight=not self.cfg.skip_preflight)
+            script = batch_script(plan, self.s, preflight=not self.cfg.skip_preflight, stage=stage)
             rc, out = session.exec(SBATCH, 60, stdin=script.encode())
         except RemoteError as e:
             log.note(f"preflight failed: Slurm is not reachable: {e}; nothing was submitted")
@@ -251,11 +315,14 @@ class SlurmBackend:
                 "submit": self.s.submit.name,
                 "group": self.s.group,
                 "sources": [str(Path(x).resolve()) if Path(x).exists() else x for x in self.s.sources],
-                "dir": log_dir(plan.nodes[0].cwd, slurm_id),
+                "dir": log_dir(logs_base(plan, self.s), slurm_id),
+                "shared": self.s.shared_workdir,
+                "venv": plan.nodes[0].node.venv,
             },
         )
         log.note(
-            f"submitted Slurm job {slurm_id} on {self.s.submit.name} ({len(plan.nodes)} nodes; "
+            f"submitted Slurm job {slurm_id} on {self.s.submit.name} ({self.s.nodes or len(plan.nodes)} "
+            "nodes; "
             f"ddp-launch status/logs/stop {plan.job_id})"
         )
         return plan
@@ -284,7 +351,7 @@ class SlurmBackend:
         shown, stopped, pending = "", False, False
         s = jobctl.SlurmState("PENDING")
         t0 = time.monotonic()
-        batch = ""
+        batch = ""  # the last batch host Slurm named (a requeued job has none)
         waited: float | None = None  # since when the batch script is done and the job still COMPLETING
         while True:
             try:
@@ -303,9 +370,8 @@ class SlurmBackend:
                     log.note(s.line(slurm_id))
                     if s.state == "RUNNING" and not stopped:
                         on_state("running")
-                batch = s.batch_host if s.batch_host in nodes else batch  # a requeued job has none
-                if batch:
-                    self._copy_logs(nodes[batch], plan, offsets)
+                batch = s.batch_host or batch
+                self._copy_logs(s, nodes, plan, offsets)
             except RemoteError as e:
                 log.note(f"cannot reach {self.s.submit.name}: {e}; retrying")
             if self.detached:
@@ -382,10 +448,24 @@ class SlurmBackend:
             )
         return lines[-1]
 
-    def _copy_logs(self, batch: Any, plan: JobPlan, offsets: dict[str, int]) -> None:
-        directory = log_dir(plan.nodes[0].cwd, self.slurm_id)
+    def _copy_logs(
+        self, s: jobctl.SlurmState, nodes: dict[str, Any], plan: JobPlan, offsets: dict[str, int]
+    ) -> None:
+        """The driver's new lines, read where they are (jobctl.reader): on the batch host over SSH when it is
+        an inventory node, else on the submit host (shared ddp_workdir), else through an srun step into
+        the running job (no shared storage; at most every SRUN_READ_S)."""
+        where = jobctl.reader(self.slurm_id, s, self.s.shared_workdir, s.batch_host in nodes)
+        if where is None:
+            return
+        host, through = where
+        if through:
+            if time.monotonic() - self.read_at < SRUN_READ_S:
+                return
+            self.read_at = time.monotonic()
+        session = self.pool.get(nodes[s.batch_host]) if host == "batch" else self._session()
+        directory = log_dir(logs_base(plan, self.s), self.slurm_id)
         python = f"{plan.nodes[0].node.venv.rstrip('/')}/bin/python"
-        got = jobctl.read_logs(self.pool.get(batch), python, directory, offsets)
+        got = jobctl.read_logs(session, python, directory, offsets, through)
         # The ranks' files before the driver's: the driver wrote every line of an attempt before its
         # requeue or done line, and read_logs read driver.log first, so what the ranks printed before
         # that line is here, said before it and counted for the attempt it belongs to.

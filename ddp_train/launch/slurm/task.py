@@ -1,6 +1,7 @@
 """The program srun starts on every node of the allocation (`python -m ddp_train.launch.slurm.task`, one
 task per node): `--node` runs the node's part of the training step, `--probe` its part of the in-job
-preflight. The job comes as one JSON line on stdin (srun broadcasts the driver's line to every task).
+preflight, `--stage` (no shared storage) creates ddp_workdir and unpacks the job's --sync copy. The job
+comes as one JSON line on stdin (srun broadcasts the driver's line to every task).
 
 --node: node rank = SLURM_NODEID, its own interface in the CIDR (GLOO/NCCL_SOCKET_IFNAME, --local-addr, as
 preflight/netif.py sets them for the SSH backend), plan.py's torchrun argv with the driver's address and
@@ -165,9 +166,38 @@ def probe_main() -> int:
     return probe.main([job["venv"], job.get("workdir") or "", *gpu])
 
 
+def stage_main() -> int:
+    """No shared storage: ddp_workdir on this node, and the job's --sync copy unpacked into its
+    content-addressed directory, as the SSH backend's sync leaves it (launch/node/sync.py); a copy already
+    there and intact is kept."""
+    import base64
+
+    from ddp_train.launch.node import sync
+
+    job: dict[str, Any] = json.loads(sys.stdin.buffer.readline())
+    os.makedirs(job["logs_in"], mode=0o700, exist_ok=True)
+    staged = job.get("stage")
+    if not staged:
+        return 0
+    base, name = os.path.split(staged["dir"].rstrip("/"))
+    if sync.inspect(base, name, staged["digest"])["present"]:
+        print(f"{staged['dir']}: up to date", flush=True)
+        return 0
+    tmp = os.path.join(base, f"{name}.tmp-{os.getpid()}")
+    archive = f"{tmp}.tar.gz"
+    with open(archive, "wb") as f:
+        f.write(base64.b64decode(staged["tar"]))
+    sync.unpack(base, tmp, archive, "", [])
+    sync.finish(base, name, tmp, staged["digest"])
+    print(f"{staged['dir']}: unpacked", flush=True)
+    return 0
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--node"]:
         node_main()
     if sys.argv[1:] == ["--probe"]:
         sys.exit(probe_main())
-    sys.exit(f"usage: {sys.argv[0]} --node | --probe (what the driver's srun runs)")
+    if sys.argv[1:] == ["--stage"]:
+        sys.exit(stage_main())
+    sys.exit(f"usage: {sys.argv[0]} --node | --probe | --stage (what the driver's srun runs)")
