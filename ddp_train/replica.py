@@ -169,18 +169,22 @@ class Receiver:
 
     def _link_best(self, header: dict[str, Any], size: int) -> bool:
         """best.pt as a hard link to this node's verified copy of the checkpoint the sender's best.pt is a
-        link of (header "link"), instead of its bytes again; False when there is no such copy."""
-        link = header.get("link")
+        link of (header "link", with the sha256 the sender just sent that copy with), instead of its bytes
+        again; False when there is no such copy with that very hash (an older run's file of the same name
+        and size is not it)."""
+        link, sha = header.get("link"), header.get("link_sha256")
         if not isinstance(link, str) or checkpoint.step_of(link) is None or self.best_path is None:
             return False
         copy = self.directory / link
         try:
-            if copy.stat().st_size != size or not checkpoint.replica_info(copy).exists():
+            info = json.loads(checkpoint.replica_info(copy).read_text())
+            if copy.stat().st_size != size or not isinstance(sha, str) or info.get("sha256") != sha:
                 return False
+            # the record first: best.pt is never there without the hash its bytes are checked against
+            checkpoint.write_replica_info(self.best_path, info)
             storage.link(copy, self.best_path)
-        except OSError:
-            return False  # not here, or another filesystem: the bytes are sent
-        checkpoint.replica_info(self.best_path).unlink(missing_ok=True)
+        except (OSError, ValueError):
+            return False  # not here, unreadable, or another filesystem: the bytes are sent
         log.info("best.pt is the replica %s (a hard link)", link)
         return True
 
@@ -261,12 +265,16 @@ class Sender:
                 self.cond.wait_for(lambda: self.pending is not None or self.pending_best is not None)
                 path, best, self.busy = self.pending, self.pending_best, True
                 self.pending = self.pending_best = None
-            # the checkpoint first: a best.pt that links it then arrives as a link, not its bytes again
+            # the checkpoint first: a best.pt that links it then arrives as a link to the copy each
+            # receiver has just been sent (its sha256), not its bytes again
+            sent: dict[str, str] = {}  # receiver host -> sha256 of `path` it holds now
             for what, links in ([(path, None)] if path else []) + ([best] if best else []):
                 failed = []
                 for rank, host, address in self.targets:
                     try:
-                        self._send_one(what, rank, host, address, links)
+                        digest = self._send_one(what, rank, host, address, links, sent.get(host))
+                        if what == path and digest:
+                            sent[host] = digest
                     except Exception as exc:  # noqa: BLE001 - a failed copy is a warning, never the run's end
                         failed.append(host)
                         log.warning(
@@ -279,7 +287,17 @@ class Sender:
                 self.busy = False
                 self.cond.notify_all()
 
-    def _send_one(self, path: Path, rank: int, host: str, address: str, links: Path | None = None) -> None:
+    def _send_one(
+        self,
+        path: Path,
+        rank: int,
+        host: str,
+        address: str,
+        links: Path | None = None,
+        sha: str | None = None,
+    ) -> str | None:
+        """Send `path` to one receiver; the sha256 it now holds it with (None: it had the file already,
+        a shared directory). `links`/`sha`: best.pt is a hard link to that checkpoint, sent with `sha`."""
         ip, port, token = address.split("|")
         t0 = time.perf_counter()
         with open(path, "rb") as src:  # an open file survives its pruning by the next save
@@ -289,12 +307,12 @@ class Sender:
                 header = {"name": path.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
                           "token": token, "host": socket.gethostname()}  # fmt: skip
                 with contextlib.suppress(OSError):  # still the same file (a later best.pt is not)?
-                    if links is not None and os.stat(links).st_ino == st.st_ino:
-                        header["link"] = links.name
+                    if links is not None and sha is not None and os.stat(links).st_ino == st.st_ino:
+                        header.update(link=links.name, link_sha256=sha)
                 conn.sendall(json.dumps(header).encode() + b"\n")
                 answer = _readline(f)
                 if answer == "have":
-                    return
+                    return None
                 if answer != "send":
                     raise ValueError(f"receiver answered {answer!r}")
                 digest = hashlib.sha256()
@@ -310,6 +328,7 @@ class Sender:
         log.info(
             "saved replica %s:%s in %.2fs (sha256 %s)", host, path.name, seconds, digest.hexdigest()[:12]
         )
+        return digest.hexdigest()
 
 
 class Replicas:
@@ -336,7 +355,8 @@ class Replicas:
         self.receivers = receivers(rank, world_size, local_world_size, replicas)
         self.receiver: Receiver | None = None
         self.sender: Sender | None = None
-        self.last: Path | None = None
+        self.last: Path | None = None  # the newest checkpoint queued
+        self.last_best: Path | None = None  # best.pt, when it was queued
 
     @classmethod
     def from_config(cls, cfg: Config, env: DistEnv) -> Replicas:
@@ -377,27 +397,32 @@ class Replicas:
         """After a save: its checkpoint, and best.pt when it became a hard link to it."""
         if self.sender is not None:
             self.last = path
+            self.last_best = best or self.last_best
             self.sender.send(path, (best, path) if best is not None else None)
 
     def send_best(self, best: Path) -> None:
         """After best.pt was written on its own (the weights alone, at a step that is no checkpoint)."""
         if self.sender is not None:
+            self.last_best = best
             self.sender.send(None, (best, None))
 
     def finish(self, timeout_s: float) -> None:
         """Rank 0, after the last save: wait up to `timeout_s` for its replica, or say that it did not
         complete."""
-        if self.sender is None or self.last is None:
+        queued = [p for p in (self.last, self.last_best) if p is not None]
+        if self.sender is None or not queued:
             return
+        names = " and ".join(p.name for p in queued)
         hosts = ", ".join(h for _, h, _ in self.sender.targets)
         if not self.sender.wait(0):  # a line in the log if the process is killed while it waits
-            log.info("waiting up to %gs for the replica of %s on %s", timeout_s, self.last.name, hosts)
+            log.info("waiting up to %gs for the replica of %s on %s", timeout_s, names, hosts)
         if not self.sender.wait(timeout_s):
-            log.warning("the replica of %s on %s did not complete within %gs: the last checkpoint is on this "
-                        "node only", self.last.name, hosts, timeout_s)  # fmt: skip
-        elif self.sender.results.get(self.last):
-            log.warning("the replica of %s did not complete: the last checkpoint is on this node only",
-                        self.last.name)  # fmt: skip
+            log.warning("the replica of %s on %s did not complete within %gs: it is on this node only",
+                        names, hosts, timeout_s)  # fmt: skip
+            return
+        for p in queued:
+            if self.sender.results.get(p):
+                log.warning("the replica of %s did not complete: it is on this node only", p.name)
 
     def close(self) -> None:
         if self.receiver is not None:

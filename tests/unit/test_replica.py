@@ -144,9 +144,23 @@ def test_an_unreachable_receiver_is_one_warning_and_finish_says_the_copy_did_not
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 2 and all("\n" not in w for w in warnings), warnings
     assert warnings[0].startswith("replica of step-00000010.pt to node1 (rank 2) failed: ")
-    assert warnings[1] == (
-        "the replica of step-00000010.pt did not complete: the last checkpoint is on this node only"
-    )
+    assert warnings[1] == "the replica of step-00000010.pt did not complete: it is on this node only"
+
+
+def test_finish_waits_for_a_best_pt_queued_alone_and_names_it_when_it_failed(tmp_path, caplog):
+    """checkpoint.interval_steps=0 with eval: only best.pt is queued; finish() waits for it too."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    reps = replica.Replicas(tmp_path / "node0", rank=0, local_rank=0, world_size=4, local_world_size=2,
+                            replicas=1, keep_latest_k=2, master_addr="127.0.0.1", timeout_s=5)  # fmt: skip
+    reps.connect([{"host": "node0"}, {}, {"host": "node1", "replica_addr": f"127.0.0.1|{port}|t"}, {}])
+    best = checkpoint.save_file(state(10), tmp_path / "best.pt")
+    reps.send_best(best)
+    reps.finish(5)
+    assert reps.sender is not None and reps.sender.wait(0)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings[-1] == "the replica of best.pt did not complete: it is on this node only", warnings
 
 
 def test_a_receiver_that_cannot_listen_leaves_its_node_without_a_replica(tmp_path, caplog):
@@ -242,8 +256,7 @@ def test_rank_0_gives_up_on_a_stalled_replica_well_before_the_others_wait_ends(t
     # the abandoned sender ends on the reset within the test (after it, its warning hit a closed stream)
     assert ckpt.replicas.sender is not None and ckpt.replicas.sender.wait(10)
     assert warnings == [
-        "the replica of step-00000010.pt on node1 did not complete within 2s: the last checkpoint is on "
-        "this node only"
+        "the replica of step-00000010.pt on node1 did not complete within 2s: it is on this node only"
     ]
 
 
@@ -263,6 +276,7 @@ def test_best_pt_reaches_the_replica_node_as_a_link_to_its_copy_or_as_its_own_by
         assert sender.wait(20) and sender.results == {src: [], best_here: []}
         copy = r.directory / src.name
         assert best_there.stat().st_ino == copy.stat().st_ino  # a link to the copy, not a second one
+        assert checkpoint.load(best_there)["step"] == 10  # with its sha256 record: checked as it loads
         assert "best.pt is the replica step-00000010.pt (a hard link)" in caplog.text
         assert len(re.findall(r"saved replica node1:", caplog.text)) == 1  # the checkpoint's bytes only
         best_here.unlink()
@@ -275,5 +289,32 @@ def test_best_pt_reaches_the_replica_node_as_a_link_to_its_copy_or_as_its_own_by
             json.loads(checkpoint.replica_info(best_there).read_text())["sha256"]
             == hashlib.sha256(best_here.read_bytes()).hexdigest()
         )
+    finally:
+        r.close()
+
+
+def test_best_pt_is_never_linked_to_an_older_file_of_the_same_name_and_size(tmp_path, caplog):
+    """The receiver holds a verified step-10 from an earlier run (same name, same size); this run's send
+    of its step 10 fails: best.pt must not become a link to the old weights (review of #48)."""
+    best_there = tmp_path / "node1" / "run" / "best.pt"
+    r = replica.Receiver(tmp_path / "node1" / "run" / "checkpoints", 2, "127.0.0.1", 10, best_path=best_there)
+    try:
+        old = checkpoint.save(state(10), tmp_path / "old", 10)
+        send(old, r)  # the earlier run's step 10, verified there
+        other = state(10)
+        other["model"]["w"] = other["model"]["w"] + 1  # another run's weights at the same step
+        new = checkpoint.save(other, tmp_path / "node0" / "run" / "checkpoints", 10)
+        assert new.stat().st_size == old.stat().st_size and new.read_bytes() != old.read_bytes()
+        best_here = new.parent.parent / "best.pt"
+        best_here.hardlink_to(new)
+        sender = replica.Sender([(1, "node1", r.address)], timeout_s=10)
+        real = sender._send_one
+        sender._send_one = lambda path, *a: (
+            (_ for _ in ()).throw(OSError("reset")) if path == new else real(path, *a)
+        )  # this run's step 10 does not get there
+        sender.send(new, (best_here, new))
+        assert sender.wait(20) and sender.results[new] == ["node1"] and sender.results[best_here] == []
+        assert best_there.read_bytes() == new.read_bytes()  # its own bytes: no link to the old copy
+        assert best_there.stat().st_ino != (r.directory / new.name).stat().st_ino
     finally:
         r.close()
