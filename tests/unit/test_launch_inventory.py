@@ -229,5 +229,11 @@ def test_a_vault_in_group_vars_is_read_with_ansibles_password_file_and_refused_i
     assert "\n" not in str(
         e.value
     ) and "set vault_password_file in ansible.cfg or ANSIBLE_VAULT_PASSWORD_FILE" in str(e.value)
+    monkeypatch.setattr(constants, "DEFAULT_VAULT_PASSWORD_FILE", str(write(tmp_path / "bad", "wrong\n")))
+    with pytest.raises(LaunchError, match=r": the vault password ddp-launch was given does not open it$"):
+        load_nodes([str(inv)])
+    monkeypatch.setattr(constants, "DEFAULT_VAULT_PASSWORD_FILE", str(tmp_path / "gone"))
+    with pytest.raises(LaunchError, match=rf"^vault_password_file {tmp_path}/gone: .*not found"):
+        load_nodes([str(inv)])  # a stale setting is one line too, never a traceback
     monkeypatch.setattr(constants, "DEFAULT_VAULT_PASSWORD_FILE", str(write(tmp_path / "pw", "s3cret\n")))
     assert load_nodes([str(inv)])[0].workdir == "/srv/vaulted"
