@@ -19,6 +19,7 @@ for name in jsonschema jsonschema-specifications referencing rpds-py; do
     pin=$(grep -E "^${name}==" constraints.txt) || { echo "gpu_wheels.sh: constraints.txt pins no $name" >&2; exit 2; }
     pins+=("$pin")
 done
+rm -rf "$dest"  # only the pinned versions: two of one package would make gpu.sh's install fail there
 mkdir -p "$dest"
 "$PY" -m pip download --quiet --disable-pip-version-check --only-binary=:all: --no-deps \
     --python-version "$pyver" --implementation cp --abi "$tag" \

@@ -27,7 +27,7 @@ IMAGE = frozenset(
         *("pluggy", "iniconfig", "xdist", "execnet", "hypothesis", "sortedcontainers", "certifi", "idna"),
         *("urllib3", "requests", "charset_normalizer", "six", "dateutil", "tqdm", "rich", "pygments"),
         *("markdown_it", "mdurl", "click", "cloudpickle", "msgpack", "safetensors", "huggingface_hub"),
-        *("nvidia", "cuda", "scipy", "pandas", "psutil", "opt_einsum", "optree", "expecttest"),
+        *("nvidia", "cuda", "scipy", "pandas", "opt_einsum"),
     ]
 )
 _SITE = tuple({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
