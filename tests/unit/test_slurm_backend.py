@@ -7,6 +7,7 @@ import argparse
 import base64
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -222,6 +223,11 @@ def test_preflight_one_line_per_problem(tmp_path: Path) -> None:
          "ddp_nproc_per_node 8: partition gpu's nodes have 4 GPUs (Gres); one process per GPU"),
         ("    ddp_nproc_per_node: 8\n", {"slurm_gpus_per_node": 0}, "gpu:8\n", None, None),
         ("    ddp_nproc_per_node: cpu\n", {}, "gpu:8\n", None, None),
+        # a partition of GPU and CPU nodes: the default kept (Slurm then gives the job GPU nodes only)
+        ("    ddp_nproc_per_node: 4\n", {}, "(null)\ngpu:h100:8\n", "--gpus-per-node=4", None),
+        ("    ddp_nproc_per_node: auto\n", {}, "gpu:4\n(null)\ngpu:8\n", "--gpus-per-node=4", None),
+        ("    ddp_nproc_per_node: 8\n", {}, "(null)\ngpu:4\n", None,
+         "ddp_nproc_per_node 8: partition gpu's nodes have 4 GPUs (Gres); one process per GPU"),
     ],
 )  # fmt: skip
 def test_the_gpu_request_defaults_to_one_per_process_and_is_checked_against_gres(
@@ -229,16 +235,26 @@ def test_the_gpu_request_defaults_to_one_per_process_and_is_checked_against_gres
 ) -> None:
     s = settings.load(opts(**flags), [inventory(tmp_path, extra=extra)], [])
     fake = FakeSession({"scontrol --oneliner show partition": (0, PARTITIONS), "sinfo": (0, gres)})
-    problems, resolved = submit.preflight(fake, s, 2)
+    notes: list[str] = []
+    problems, resolved = submit.preflight(fake, s, 2, notes.append)
     assert problems == ([problem] if problem else [])
     if problem is None:
         asked = [o for o in resolved.sbatch_options("j", 2) if o.startswith("--gpus-per-node")]
         assert asked == ([sbatch] if sbatch else [])
+    mixed = "(null)" in gres and "gpu:" in gres and sbatch is not None
+    assert notes == (
+        [f"partition gpu has nodes with and without GPUs (Gres): the job asks for {sbatch.split('=')[1]} "
+         "GPU(s) per node, so Slurm places it on GPU nodes only (--gpus-per-node 0: a CPU job)"]
+        if mixed else []
+    )  # fmt: skip
 
 
 def test_dry_run_shows_one_gpu_per_process_without_asking_slurm(tmp_path: Path) -> None:
     s = settings.load(opts(), [inventory(tmp_path, extra="    ddp_nproc_per_node: 8\n")], [])
     assert "--gpus-per-node=8" in s.sbatch_options("j", 2)
+    assert "# --gpus-per-node" not in submit.shown_script(
+        build_plan(load_nodes([s.sources[0]]), Options(job_id="sj")), s
+    )
     with pytest.raises(
         LaunchError, match=r"^--gpus-per-node / slurm_gpus_per_node -1: a non-negative integer$"
     ):
@@ -347,7 +363,7 @@ def test_stop_job_gives_up_waiting_after_its_deadline(
 def backend(tmp_path: Path) -> submit.SlurmBackend:
     inv = inventory(tmp_path)
     s = settings.load(opts(), [inv], [])
-    cfg = argparse.Namespace(monitor=True, connect_timeout=5, log_dir=str(tmp_path))
+    cfg = argparse.Namespace(monitor=True, connect_timeout=5, log_dir=str(tmp_path), skip_preflight=False)
     b = submit.SlurmBackend(cfg, None, s)  # type: ignore[arg-type]
     b.slurm_id, b.stop_sent = "7", True
     return b
@@ -844,6 +860,8 @@ def test_slurm_shared_workdir_false_starts_in_tmp_and_keeps_the_logs_in_ddp_work
     plan = build_plan(load_nodes([inv]), Options(job_id="sj"))
     lines = submit.batch_script(plan, s).splitlines()
     assert f"#SBATCH --chdir={'/scratch/ddp' if shared else '/tmp'}" in lines
+    # not a predictable /tmp/ddp-slurm-<id>.out another user could make theirs first
+    assert f"#SBATCH --output={'ddp-slurm-%j.out' if shared else '/dev/null'}" in lines
     job = json.loads(base64.b64decode(lines[-1].split('"')[1]))
     assert (job["shared"], job["logs_in"], job["stage"]) == (shared, "/scratch/ddp", None)
     with pytest.raises(LaunchError, match="slurm_shared_workdir 'maybe': true or false"):
@@ -904,14 +922,31 @@ def test_the_driver_stages_through_one_srun_step(tmp_path: Path, monkeypatch) ->
 
 
 def test_the_last_line_waits_for_a_launcher_that_reads_through_srun(tmp_path: Path) -> None:
+    import threading
+    import time
+
     (tmp_path / protocol.DRIVER_LOG).write_text("ddp-slurm: job 7: done, exit 0\n")
     size = (tmp_path / protocol.DRIVER_LOG).stat().st_size
-    assert not driver.wait_read(tmp_path, wait_s=5)  # nobody reads through srun: no wait
-    ack = tmp_path / protocol.READ_ACK
+    ack = tmp_path / protocol.ack_name(protocol.LAUNCHER)
+    # a job that failed in seconds: the launcher has not read yet, and its first read comes while it waits
+    later = threading.Timer(0.5, lambda: ack.write_text(str(size)))
+    later.start()
+    t0 = time.monotonic()
+    assert driver.wait_read(tmp_path, wait_s=5) and time.monotonic() - t0 >= 0.4
+    ack.unlink()
+    t0 = time.monotonic()
+    assert not driver.wait_read(tmp_path, wait_s=0.3) and time.monotonic() - t0 >= 0.3  # never read
     ack.write_text(str(size - 5))
     assert not driver.wait_read(tmp_path, wait_s=0.3)  # behind, and it does not catch up
-    os.utime(ack, (1, 1))
-    assert not driver.wait_read(tmp_path, wait_s=5)  # the launcher stopped reading (detached)
+    logs = tmp_path / protocol.ack_name("logs-42")
+    logs.write_text(str(size))  # `logs -f` has it all: not the launcher, which still follows
+    assert not driver.wait_read(tmp_path, wait_s=0.3)
+    os.utime(ack, (1, 1))  # the launcher stopped reading (detached): the reader that still follows counts
+    assert driver.wait_read(tmp_path, wait_s=5)
+    logs.write_text(str(size - 1))
+    os.utime(logs, (1, 1))
+    t0 = time.monotonic()
+    assert not driver.wait_read(tmp_path, wait_s=5) and time.monotonic() - t0 < 1  # nobody follows
     ack.write_text(str(size))
     assert driver.wait_read(tmp_path, wait_s=5)
 
@@ -943,6 +978,207 @@ def test_read_logs_through_srun_acknowledges_what_the_launcher_had(tmp_path: Pat
 
     got = jobctl.read_logs(Local(), sys.executable, str(tmp_path), {"driver.log": 2}, through=["env"])
     assert got == {"driver.log": [4, "b\n"], "r0-c1.log": [2, "x\n"]}
-    assert (tmp_path / protocol.READ_ACK).read_text() == "2"
+    ack = tmp_path / protocol.ack_name(protocol.LAUNCHER)
+    assert ack.read_text() == "4"  # what it has now, not what it had before this read
     jobctl.read_logs(Local(), sys.executable, str(tmp_path), {})  # over SSH or on shared storage: no ack
-    assert (tmp_path / protocol.READ_ACK).read_text() == "2"
+    assert ack.read_text() == "4"
+    # a second reader (`logs -f`) acknowledges as itself, never as the launcher
+    jobctl.read_logs(Local(), sys.executable, str(tmp_path), {}, through=["env"], reader="logs-9")
+    assert (ack.read_text(), (tmp_path / protocol.ack_name("logs-9")).read_text()) == ("4", "4")
+    # an offset past the file's end: a new file (the job requeued onto another batch host), from its start
+    got = jobctl.read_logs(Local(), sys.executable, str(tmp_path), {"driver.log": 99}, through=["env"])
+    assert got["driver.log"] == [4, "a\nb\n"] and ack.read_text() == "4"
+    with pytest.raises(ValueError):
+        jobctl.read_logs(Local(), sys.executable, str(tmp_path), {}, through=["env"], reader="../x")
+
+
+# ---- review of #48: no shared storage, GPU request -----------------------------------------------------
+
+
+def no_shared(tmp_path: Path, extra: str = "", **flags: object) -> tuple[settings.SlurmSettings, str]:
+    inv = login_only(tmp_path, extra)
+    s = settings.load(opts(backend="slurm", slurm_nodes=2, **flags), [inv], ["slurm_shared_workdir=false"])
+    return s, inv
+
+
+@pytest.mark.parametrize(
+    ("extra", "flags", "what"),
+    [
+        ("", {"requeue": True}, "--requeue / --max-requeues / slurm_requeue"),
+        ("", {"max_requeues": 2}, "--requeue / --max-requeues / slurm_requeue"),
+        ("    slurm_requeue: true\n", {}, "--requeue / --max-requeues / slurm_requeue"),
+        ("    ddp_on_node_loss: restart\n", {}, "ddp_on_node_loss: restart"),
+    ],
+)
+def test_without_shared_storage_requeue_and_restart_are_refused_in_one_line(
+    tmp_path: Path, extra: str, flags: dict, what: str
+) -> None:
+    """attempts.json and the checkpoints are on the old nodes' own disks: a requeue cannot resume."""
+    s, inv = no_shared(tmp_path, extra, **flags)
+    plan = build_plan(load_nodes([inv]), Options(job_id="sj"))
+    with pytest.raises(LaunchError, match=rf"^{re.escape(what)} with slurm_shared_workdir: false: "):
+        submit.batch_script(plan, s)
+    b = backend(tmp_path)
+    b.s = s
+    with pytest.raises(LaunchError):  # before the preflight, the archive or sbatch
+        b.prepare(plan, lambda p: None)
+    shared = settings.load(opts(backend="slurm", slurm_nodes=2, **flags), [inv], [])
+    assert "#SBATCH --requeue" in submit.batch_script(plan, shared)
+
+
+def test_a_requeue_onto_another_batch_host_reads_its_new_files_from_their_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s, inv = no_shared(tmp_path)
+    plan = build_plan(load_nodes([inv]), Options(job_id="sj"))
+    b = backend(tmp_path)
+    b.s = s
+    b.log = argparse.Namespace(note=lambda *a: None, line=lambda *a: None)  # type: ignore[assignment]
+    monkeypatch.setattr(b, "_session", lambda: FakeSession({}))
+    seen: list[dict] = []
+
+    def read(session, python, directory, offsets, through):  # noqa: ANN001, ANN202
+        seen.append(dict(offsets))
+        return {"driver.log": [120, "x\n"]}
+
+    monkeypatch.setattr(submit.jobctl, "read_logs", read)
+    offsets: dict[str, int] = {}
+    clock = iter(range(0, 10_000, 100))
+    monkeypatch.setattr(submit.time, "monotonic", lambda: next(clock))
+    for host in ("c1", "c1", "c2"):
+        b._copy_logs(jobctl.SlurmState("RUNNING", batch_host=host), {}, plan, offsets)
+    assert seen == [{}, {"driver.log": 120}, {}]
+
+
+def test_reads_through_srun_back_off_while_driver_log_does_not_grow() -> None:
+    """Each read through srun is a job step (MaxStepCount): every 3 s while the driver writes, 30 s at
+    most while it does not."""
+    pace, now, gaps = jobctl.Pace(), 0.0, []
+    for grew in (True, False, False, False, False, False, False, True, False):
+        while not pace.due(now):
+            now += 0.5
+        gaps.append(now)
+        pace.done(now, grew)
+    steps = [b - a for a, b in zip(gaps, gaps[1:])]
+    assert steps == [3, 6, 12, 24, 30, 30, 30, 3]
+    assert jobctl.grew({"driver.log": [5, "x\n"]}, {}) and not jobctl.grew({"r0-c1.log": [5, "x\n"]}, {})
+    assert not jobctl.grew({"driver.log": [5, ""]}, {"driver.log": 5})
+
+
+def test_gpu_or_auto_needs_gpus_per_node_with_skip_preflight_and_the_dry_run_says_where_it_comes_from(
+    tmp_path: Path,
+) -> None:
+    from ddp_train.launch.pipeline import Refused
+
+    inv = inventory(tmp_path, extra="    ddp_nproc_per_node: gpu\n")
+    plan = build_plan(load_nodes([inv]), Options(job_id="sj"))
+    s = settings.load(opts(slurm_partition="big"), [inv], [])
+    assert "# --gpus-per-node: from partition big's Gres at submit" in submit.shown_script(plan, s)
+    b = backend(tmp_path)
+    b.s, b.cfg.skip_preflight = s, True
+    notes: list[str] = []
+    b.log = argparse.Namespace(note=notes.append, line=lambda *a: None)  # type: ignore[assignment]
+    with pytest.raises(Refused) as refused:
+        b.prepare(plan, lambda p: None)
+    assert refused.value.code == 2 and len(notes) == 1 and "give --gpus-per-node N" in notes[0], notes
+    b.s = settings.load(opts(slurm_gpus_per_node=2), [inv], [])
+    assert "# --gpus-per-node" not in submit.shown_script(plan, b.s)
+
+
+def test_a_big_sync_dir_is_refused_before_it_is_packed_and_the_script_against_max_script_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ddp_train.launch.pipeline import Refused
+    from ddp_train.launch.remote.sync import scan
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "train.py").write_bytes(os.urandom(3000))
+    manifest = scan(str(proj))
+    monkeypatch.setattr(submit, "STAGE_MAX_RAW", 2000)
+    with pytest.raises(LaunchError, match=r"--sync .*: 2\.9 KiB in 1 file\(s\); .* at most 2\.0 KiB before"):
+        submit.stage_archive(manifest)
+    monkeypatch.setattr(submit, "STAGE_MAX_RAW", 1 << 20)
+    monkeypatch.setattr(submit, "SCRIPT_MAX_BYTES", 5000)  # the archive is small, the script is not
+    s, inv = no_shared(tmp_path)
+    plan = build_plan(load_nodes([inv]), Options(job_id="sj", sync=manifest))
+    b = backend(tmp_path)
+    b.s, b.cfg.skip_preflight = s, True
+    fake = FakeSession({})
+    monkeypatch.setattr(b, "_session", lambda: fake)
+    notes: list[str] = []
+    b.log = argparse.Namespace(note=notes.append, line=lambda *a: None)  # type: ignore[assignment]
+    with pytest.raises(Refused) as refused:
+        b.prepare(plan, lambda p: None)
+    assert refused.value.code == 2 and "over Slurm's max_script_size" in notes[-1], notes
+    assert not fake.commands  # nothing was submitted
+
+
+def test_the_stage_step_refuses_a_workdir_of_another_user_or_writable_by_others(tmp_path: Path) -> None:
+    """No shared storage: ddp_workdir under a world-writable /scratch could be made by someone else first,
+    who could then swap the --sync copy: refused in one line naming the node, no traceback."""
+    work = tmp_path / "scratch" / "ddp"
+    work.mkdir(parents=True)
+    work.chmod(0o777)
+
+    def run(job: dict) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "ddp_train.launch.slurm.task", "--stage"],
+            input=(json.dumps(job) + "\n").encode(), capture_output=True,
+        )  # fmt: skip
+
+    res = run({"logs_in": str(work), "stage": None})
+    out = res.stdout.decode()
+    host = __import__("socket").gethostname()
+    assert res.returncode == 1 and out.count("\n") == 1 and not res.stderr, (out, res.stderr)
+    assert out.startswith(f"ddp-slurm: stage: {host}: {work}: writable by group or others"), out
+    with pytest.raises(Exception, match="writable by group or others"):
+        driver.own_workdir(str(work))
+    work.chmod(0o755)
+    if os.geteuid() == 0:  # another user's directory
+        os.chown(work, 65534, 65534)
+        out = run({"logs_in": str(work), "stage": None}).stdout.decode()
+        assert "belongs to uid 65534" in out and out.count("\n") == 1, out
+        os.chown(work, 0, 0)
+    # a broken archive: one line, exit 1, nothing left behind
+    bad = {"name": "n", "digest": "d" * 64, "tar": base64.b64encode(b"not a tar").decode()}
+    res = run({"logs_in": str(work), "stage": {**bad, "dir": f"{work}/.ddp-launch/sync/n"}})
+    out = res.stdout.decode()
+    assert res.returncode == 1 and out.count("\n") == 1 and not res.stderr, (out, res.stderr)
+    assert out.startswith(f"ddp-slurm: stage: {host}: ReadError"), out
+    assert os.listdir(work / ".ddp-launch" / "sync") == []
+
+
+def test_the_driver_says_the_stage_tasks_own_line_as_is(tmp_path: Path, monkeypatch) -> None:
+    srun = tmp_path / "srun"
+    srun.write_text(
+        "#!/bin/sh\necho '1: ddp-slurm: stage: node-b: /w: writable by group or others'\nexit 1\n"
+    )
+    srun.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    said: list[str] = []
+    assert not driver.stage({"venv": sys.prefix, "logs_in": "/w"}, ["node-a", "node-b"], said.append)
+    assert said == [
+        "ddp-slurm: stage: node-b: /w: writable by group or others",
+        "ddp-slurm: stage: the step exited 1",
+    ]
+
+
+def test_without_shared_storage_a_job_that_failed_unread_says_what_to_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its batch output is /dev/null: instead of the batch output's tail, one line naming what to check."""
+    s, inv = no_shared(tmp_path)
+    plan = build_plan(load_nodes([inv]), Options(job_id="sj"))
+    b = backend(tmp_path)
+    b.s, b.stop_sent = s, False
+    ended = "JobId=7 JobState=FAILED Reason=NonZeroExitCode NodeList=c[1-2] BatchHost=c1 ExitCode=2:0"
+    fake = FakeSession({"squeue": (0, ""), "scontrol": (0, ended)})
+    notes: list[str] = []
+    b.log = argparse.Namespace(note=notes.append, line=lambda *a: None)  # type: ignore[assignment]
+    monkeypatch.setattr(b, "_session", lambda: fake)
+    res = b._follow(plan, lambda state: None)
+    assert res.code == 2 and "tail" not in " ".join(fake.commands), fake.commands
+    why = res.first_failure or ""
+    assert why.startswith("the job failed before the launcher read a line of its driver"), res
+    assert "c1 has ddp_venv" in why and "ddp_workdir /scratch/ddp there is yours" in why

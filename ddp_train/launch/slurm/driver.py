@@ -41,7 +41,16 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from ddp_train.launch.slurm.protocol import DRIVER_LOG, READ_ACK, STOP, SUBMIT_UMASK, log_dir
+from ddp_train.errors import UserError
+from ddp_train.launch.slurm.protocol import (
+    DRIVER_LOG,
+    LAUNCHER,
+    READ_ACK,
+    READ_SLOW_S,
+    STOP,
+    SUBMIT_UMASK,
+    log_dir,
+)
 from ddp_train.launch.slurm.recovery import ATTEMPTS_FILE, Attempts, limit_reached
 from ddp_train.launch.slurm.task import own_address
 
@@ -52,8 +61,11 @@ TASK = "ddp_train.launch.slurm.task"  # what srun runs on every node (task.py)
 SRUN_WAIT_S = 60  # srun --wait: the other tasks' end after the first one exited
 RUNNING_TASKS = re.compile(r"StepId=\S+ tasks? ([\d,-]+): running")
 STAGE_TIMEOUT_S = 300  # the --sync copy unpacked on every node (no shared storage)
-ACK_WAIT_S = 30  # no shared storage: the last line waits this long for the launcher to have read it
-ACK_FRESH_S = 15  # ... when the launcher read within this (none: nobody follows the job, no wait)
+# No shared storage: the last line waits this long for the launcher to have read it (its reads come at
+# least every READ_SLOW_S, each an srun step of a few seconds) ...
+ACK_WAIT_S = READ_SLOW_S + 30
+# ... unless it read before and not within this: it detached (another reader's ack counts then)
+ACK_FRESH_S = 2 * READ_SLOW_S + 15
 
 
 def free_port(addr: str, first: int) -> int:
@@ -82,12 +94,19 @@ def main(blob: str, early: Sequence[int] = ()) -> int:
     ).stdout.split()
     restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
     shared = job.get("shared", True)
-    if not shared:  # ddp_workdir on this node's own disk: the batch script started in /tmp
-        os.makedirs(job["logs_in"], mode=0o700, exist_ok=True)
-        os.chdir(job["logs_in"])
     out_dir = Path(log_dir(job.get("logs_in", job.get("workdir")), slurm_job))
+    if not shared:  # ddp_workdir on this node's own disk: the batch script started in /tmp
+        try:
+            own_workdir(job["logs_in"])
+        except (UserError, OSError) as e:  # said to the batch output alone (/dev/null): the exit code tells
+            print(f"ddp-slurm: job {slurm_job}: {e}", flush=True)
+            return 2
+        os.chdir(job["logs_in"])
     moved = _fresh_log_dir(out_dir) if restarts == 0 else None
     out_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if not shared:
+        for old in out_dir.glob(f"{READ_ACK}.*"):  # an earlier driver's readers (a requeue onto this node)
+            old.unlink(missing_ok=True)
     say = _Say(out_dir / DRIVER_LOG)
     if moved:
         say(f"ddp-slurm: job {slurm_job}: the logs of an earlier job {slurm_job} moved to {moved}")
@@ -123,8 +142,17 @@ def main(blob: str, early: Sequence[int] = ()) -> int:
         record.end()
         say(f"ddp-slurm: job {slurm_job}: done, exit {code}")  # DONE: the launcher ends here (submit.py)
     if not shared:
-        wait_read(out_dir)
+        wait_read(out_dir, LAUNCHER)
     return code
+
+
+def own_workdir(path: str) -> None:
+    """ddp_workdir on this node's own disk (often under a world-writable /scratch or /tmp): made, or
+    checked to be this user's and not writable by others, who could otherwise swap the --sync copy
+    unpacked there (storage.own_dir; RefusedPath, one line)."""
+    from ddp_train.storage import own_dir
+
+    own_dir(path, fix="set ddp_workdir to a directory of yours")
 
 
 def stage(job: Mapping[str, Any], hosts: Sequence[str], say: Callable[[str], None]) -> bool:
@@ -142,8 +170,9 @@ def stage(job: Mapping[str, Any], hosts: Sequence[str], say: Callable[[str], Non
         output, code = (e.stdout or b"").decode("utf-8", "replace"), 124
     for text in output.splitlines():
         m = LABEL.match(text)
-        if m and int(m.group(1)) < len(hosts):
-            say(f"ddp-slurm: stage: {hosts[int(m.group(1))]}: {m.group(2)}")
+        if m and int(m.group(1)) < len(hosts):  # the task's own failure line names its node already
+            line, host = m.group(2), hosts[int(m.group(1))]
+            say(line if line.startswith("ddp-slurm: ") else f"ddp-slurm: stage: {host}: {line}")
         elif text.strip():
             say(text)
     if code != 0:
@@ -151,23 +180,52 @@ def stage(job: Mapping[str, Any], hosts: Sequence[str], say: Callable[[str], Non
     return code == 0
 
 
-def wait_read(out_dir: Path, wait_s: float = ACK_WAIT_S, fresh_s: float = ACK_FRESH_S) -> bool:
+def wait_read(
+    out_dir: Path, reader: str = LAUNCHER, wait_s: float = ACK_WAIT_S, fresh_s: float = ACK_FRESH_S
+) -> bool:
     """Without shared storage nothing reads the driver's files once the job ended: wait (at most wait_s)
-    until the launcher, reading through srun, had all of driver.log (protocol.READ_ACK); not at all when
-    nobody read within fresh_s (the launcher detached). True when it had."""
-    ack, log = out_dir / READ_ACK, out_dir / DRIVER_LOG
+    until `reader` (the launcher), reading through srun, had all of driver.log (protocol.ack_name). Its
+    ack not there yet: it may not have read at all (a job that failed in seconds), so wait for it. Its ack
+    stale (not within fresh_s: it detached): the other readers that read within fresh_s (`logs -f`), if
+    any, else no wait. True when they had it."""
+    log = out_dir / DRIVER_LOG
     deadline = time.monotonic() + wait_s
     while True:
-        try:
-            if int(ack.read_text() or 0) >= log.stat().st_size:
-                return True
-            if time.time() - ack.stat().st_mtime > fresh_s:
+        size, now = _size(log), time.time()
+        acks = _acks(out_dir)
+        own = acks.pop(reader, None)
+        if own is None or now - own[1] <= fresh_s:
+            need = [own[0]] if own else []
+        else:
+            need = [at for at, mtime in acks.values() if now - mtime <= fresh_s]
+            if not need:
                 return False
-        except (OSError, ValueError):
-            return False
+        if need and min(need) >= size:
+            return True
         if time.monotonic() > deadline:
             return False
         time.sleep(0.2)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _acks(out_dir: Path) -> dict[str, tuple[int, float]]:
+    """{reader: (how much of driver.log it had, when it said so)} from the read-offset.<reader> files."""
+    acks = {}
+    for path in out_dir.glob(f"{READ_ACK}.*"):
+        reader = path.name[len(READ_ACK) + 1 :]
+        if reader.endswith(".tmp"):
+            continue
+        try:
+            acks[reader] = (int(path.read_text() or 0), path.stat().st_mtime)
+        except (OSError, ValueError):
+            continue
+    return acks
 
 
 def private_output(fd: int = 1) -> None:

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
 import shlex
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ddp_train import exitcodes
-from ddp_train.launch.slurm.protocol import READ_ACK
+from ddp_train.launch.slurm.protocol import DRIVER_LOG, LAUNCHER, READ_ACK, READ_FAST_S, READ_SLOW_S
 
 if TYPE_CHECKING:
     from ddp_train.launch.remote.remote import Session
@@ -134,9 +136,10 @@ def cancel(session: Session, slurm_id: str) -> tuple[int, str]:
     return session.exec(f"scancel {shlex.quote(slurm_id)}", 20)
 
 
-# Reads the per-node files a driver wrote (r<N>-<host>.log) from the given offsets: JSON on stdout. With
-# "ack" (through srun into the job: no shared storage) it also writes how much of driver.log the launcher
-# already had (protocol.READ_ACK), what the driver's end waits for.
+# Reads the per-node files a driver wrote (r<N>-<host>.log) from the given offsets: JSON on stdout. A file
+# shorter than its offset is a new one (another batch host's): read from its start. With "ack READER"
+# (through srun into the job: no shared storage) it also writes how much of driver.log that reader now
+# has to READ_ACK.<reader> (protocol.ack_name), what the driver's end waits for.
 _READ = r"""
 import json, os, sys
 d, offsets = sys.argv[1], json.loads(sys.stdin.readline())
@@ -145,25 +148,36 @@ out = {}
 for name in sorted(os.listdir(d), key=lambda n: (n != "driver.log", n)) if os.path.isdir(d) else []:
     if name.endswith(".log"):
         with open(os.path.join(d, name), "rb") as f:
-            f.seek(offsets.get(name, 0))
+            at = offsets.get(name, 0)
+            at = at if at <= os.fstat(f.fileno()).st_size else 0
+            f.seek(at)
             data = f.read(1 << 20)
         cut = data.rfind(b"\n") + 1
-        out[name] = [offsets.get(name, 0) + cut, data[:cut].decode("utf-8", "replace")]
-if sys.argv[2:] == ["ack"] and os.path.isdir(d):
-    tmp = os.path.join(d, "READ_ACK.tmp")
-    with open(tmp, "w") as f:
-        f.write(str(offsets.get("driver.log", 0)))
-    os.replace(tmp, os.path.join(d, "READ_ACK"))
+        out[name] = [at + cut, data[:cut].decode("utf-8", "replace")]
+if sys.argv[2:3] == ["ack"] and os.path.isdir(d):
+    ack = os.path.join(d, "READ_ACK." + sys.argv[3])
+    with open(ack + ".tmp", "w") as f:
+        f.write(str(out.get("driver.log", [offsets.get("driver.log", 0)])[0]))
+    os.replace(ack + ".tmp", ack)
 print("DDP-SLURM-LOGS " + json.dumps(out))
 """.replace("READ_ACK", READ_ACK)
+READER = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")  # a reader's name in its ack file's name
 
 
 def read_logs(
-    session: Session, python: str, directory: str, offsets: dict[str, int], through: Sequence[str] = ()
+    session: Session,
+    python: str,
+    directory: str,
+    offsets: dict[str, int],
+    through: Sequence[str] = (),
+    reader: str = LAUNCHER,
 ) -> dict[str, Any]:
     """{file: [new offset, new whole lines]} of the driver's per-node files: on the session's host, or
-    with `through` (srun_into) from the submit host through Slurm on the batch host."""
-    cmd = shlex.join([*through, python, "-c", _READ, directory, *(["ack"] if through else [])])
+    with `through` (srun_into) from the submit host through Slurm on the batch host, acknowledged as
+    `reader`'s (protocol.ack_name)."""
+    if not READER.fullmatch(reader):
+        raise ValueError(f"reader {reader!r}: letters, digits, _ and -")
+    cmd = shlex.join([*through, python, "-c", _READ, directory, *(["ack", reader] if through else [])])
     rc, out = session.exec(cmd, 30, stdin=(json.dumps(offsets) + "\n").encode())
     for ln in out.splitlines():
         if ln.startswith("DDP-SLURM-LOGS "):
@@ -195,6 +209,34 @@ def reader(slurm_id: str, s: SlurmState, shared: bool, ssh_able: bool) -> tuple[
     if s.state.startswith("RUNNING"):
         return "submit", srun_into(slurm_id, s.batch_host)
     return None
+
+
+def moved(shared: bool, before: str, s: SlurmState) -> bool:
+    """Without shared storage the driver's files are on its batch host's own disk: a job requeued onto
+    another batch host has new ones there, to be read from their start (and their ack with them)."""
+    return not shared and bool(before) and bool(s.batch_host) and s.batch_host != before
+
+
+class Pace:
+    """When the driver's files are read through srun next: each read is a job step, and Slurm refuses a
+    job's steps beyond MaxStepCount (40000 by default), the driver's own next srun included. Every
+    READ_FAST_S while driver.log grows; twice as long after each read that found it unchanged, up to
+    READ_SLOW_S (the ranks' lines then come that late)."""
+
+    def __init__(self) -> None:
+        self.every, self.last = READ_FAST_S, -1e18
+
+    def due(self, now: float) -> bool:
+        return now - self.last >= self.every
+
+    def done(self, now: float, grew: bool) -> None:
+        self.last = now
+        self.every = READ_FAST_S if grew else min(self.every * 2, READ_SLOW_S)
+
+
+def grew(got: dict[str, Any], offsets: dict[str, int]) -> bool:
+    """Did this read find new lines in driver.log (the driver's events) since `offsets`?"""
+    return DRIVER_LOG in got and got[DRIVER_LOG][0] != offsets.get(DRIVER_LOG, 0)
 
 
 def label(name: str) -> tuple[str, str]:
@@ -258,15 +300,22 @@ def command(opts: Any, job_dir: Any, data: dict[str, Any]) -> int | None:
             print(s.line(slurm_id))
             return 0 if exit_code(s) in (0, exitcodes.SIGTERM) else exitcodes.NODE_FAILED
         offsets: dict[str, int] = {}
+        shared, host, pace = bool(slurm.get("shared", True)), "", Pace()
         while True:  # logs [-f], attach
+            if moved(shared, host, s):
+                offsets, pace = {}, Pace()
+            host = s.batch_host or host
             batch = nodes.get(s.batch_host)
-            where = reader(slurm_id, s, bool(slurm.get("shared", True)), batch is not None)
-            if where is not None:
+            where = reader(slurm_id, s, shared, batch is not None)
+            if where is not None and (not where[1] or pace.due(time.monotonic())):
                 from ddp_train.launch.remote.remote import open_session
 
                 on, through = (open_session(batch), []) if where[0] == "batch" else (session, where[1])
                 venv = batch.venv if where[0] == "batch" else batch_venv(slurm)
-                got = read_logs(on, f"{venv.rstrip('/')}/bin/python", slurm["dir"], offsets, through)
+                python = f"{venv.rstrip('/')}/bin/python"
+                got = read_logs(on, python, slurm["dir"], offsets, through, f"logs-{os.getpid()}")
+                if through:
+                    pace.done(time.monotonic(), grew(got, offsets))
                 for name, (offset, text) in sorted(got.items()):
                     offsets[name] = offset
                     for line in text.splitlines():

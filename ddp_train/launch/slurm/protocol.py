@@ -10,9 +10,21 @@ STOP = b"stop\n"  # the driver's only line to the nodes after the job: each node
 SUBMIT_UMASK = "DDP_SUBMIT_UMASK"  # the submit shell's umask, in the batch script's environment (submit.py)
 DRIVER_LOG = "driver.log"  # the driver's own lines (and srun's), beside the nodes' r<N>-<host>.log
 # Without shared storage (slurm_shared_workdir: false) the launcher reads the driver's files through
-# `srun --overlap` into the running job (jobctl.read_logs), which writes here how much of driver.log it
-# already had: the driver's last line waits for that, since nothing can read the files once the job ended.
+# `srun --overlap` into the running job (jobctl.read_logs), which writes to read-offset.<reader> how much
+# of driver.log that reader has: the driver's last line waits for the launcher's own (LAUNCHER), since
+# nothing can read the files once the job ended; `ddp-launch logs -f` reads as logs-<pid>.
 READ_ACK = "read-offset"
+LAUNCHER = "launcher"
+# Every read through srun is a job step, and Slurm ends a job's steps at MaxStepCount (40000 by default):
+# the reads come every READ_FAST_S while driver.log grows, backing off to READ_SLOW_S while it does not.
+READ_FAST_S, READ_SLOW_S = 3.0, 30.0
+
+
+def ack_name(reader: str) -> str:
+    """The file in the driver's log directory holding how much of driver.log `reader` has."""
+    return f"{READ_ACK}.{reader}"
+
+
 # The driver's lines the launcher acts on (submit.py): its last one, the requeue (the ranks' stops before
 # it were the earlier attempt's) and the one naming nodes that went away without an exit status.
 DONE = re.compile(r"^ddp-slurm: job \d+: done, exit (\d+)$")

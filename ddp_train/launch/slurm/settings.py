@@ -76,6 +76,10 @@ class SlurmSettings:
             return self.gpus_per_node or None
         return int(self.nproc) if self.nproc.isdigit() else None
 
+    def gpus_unresolved(self) -> bool:
+        """The GPU request comes from the partition's Gres, read by the submit preflight alone."""
+        return self.gpus_per_node is None and self.nproc in ("gpu", "auto")
+
 
 def minutes(value: str) -> float | None:
     """A Slurm time (sbatch --time, a partition's MaxTime) in minutes; None for UNLIMITED/INFINITE."""

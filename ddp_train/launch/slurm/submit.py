@@ -43,12 +43,14 @@ from ddp_train.launch.slurm.protocol import (
     log_dir,
 )
 from ddp_train.launch.slurm.settings import SlurmSettings, minutes
+from ddp_train.storage import size_text
 
 if TYPE_CHECKING:
     from ddp_train.launch.remote.remote import Session
     from ddp_train.launch.remote.sync import Manifest
 
 POLL_S = 1.0
+BATCH_OUTPUT = "ddp-slurm-%j.out"  # with shared storage: in ddp_workdir (the batch script's --chdir)
 # sbatch with SLURM_UMASK=0077: slurmstepd sets that umask before it creates the batch output file
 # (ddp-slurm-<id>.out: the driver's lines, the nodes' output), so the file is 0600, not the submitter's
 # umask (often 0644). sbatch(1), INPUT ENVIRONMENT VARIABLES: "SLURM_UMASK: If defined, Slurm will use
@@ -59,15 +61,25 @@ POLL_S = 1.0
 # sh -c: whatever the login shell on the submit host is.
 SBATCH = "sh -c " + shlex.quote(f'SLURM_UMASK=0077 {SUBMIT_UMASK}="$(umask)" exec sbatch --parsable')
 COMPLETING_WAIT_S = 10.0  # a job whose batch script is done may stay COMPLETING this long before we report
-# Without shared storage --sync travels inside the batch script (a tar.gz, base64): slurmctld refuses a
-# script over max_script_size (SchedulerParameters, 4 MB by default, slurm.conf(5)).
-STAGE_MAX_BYTES = 2 << 20
-SRUN_READ_S = 3.0  # without shared storage: the driver's files are read through an srun step this often
+# Without shared storage --sync travels inside the batch script (a tar.gz, base64 in the base64 job line):
+# slurmctld refuses a script over max_script_size (SchedulerParameters, 4 MiB by default, slurm.conf(5);
+# Slurm's DEFAULT_BATCH_SCRIPT_LIMIT). A directory bigger than STAGE_MAX_RAW is refused before it is packed.
+SCRIPT_MAX_BYTES = 4 << 20
+STAGE_MAX_RAW = 32 << 20
 
 
 def stage_archive(manifest: Manifest) -> dict[str, str]:
     """--sync for a job without shared storage: the directory as one tar.gz (base64) that the driver's
-    first step unpacks on every node into <ddp_workdir>/.ddp-launch/sync/<digest> (task.py --stage)."""
+    first step unpacks on every node into <ddp_workdir>/.ddp-launch/sync/<digest> (task.py --stage).
+    LaunchError before anything is packed when the directory is over STAGE_MAX_RAW."""
+    if manifest.total_bytes > STAGE_MAX_RAW:
+        raise LaunchError(
+            f"--sync {manifest.root}: {size_text(manifest.total_bytes)} in {len(manifest.entries)} file(s); "
+            f"without shared storage (slurm_shared_workdir: false) it travels inside the batch script, at "
+            f"most {size_text(STAGE_MAX_RAW)} before compression and {size_text(SCRIPT_MAX_BYTES)} of "
+            "script (Slurm's max_script_size): leave data out (--sync-exclude, .ddpignore) or put the code "
+            "on storage the nodes share; nothing was submitted"
+        )
     import io
     import os
     import tarfile
@@ -87,11 +99,8 @@ def batch_script(
     `preflight`: the driver checks the allocated nodes before training (--skip-preflight: not);
     `stage`: --sync for nodes without shared storage (stage_archive)."""
     p = plan.nodes[0]
-    if not s.shared_workdir and not (p.node.workdir or "").startswith("/"):
-        raise LaunchError(
-            "slurm_shared_workdir: false needs ddp_workdir, an absolute path on each node's own disk "
-            f"(the driver creates it there), not {p.node.workdir!r}"
-        )
+    restart = plan.recovery.mode == "restart"
+    check_storage(plan, s)
     config = None
     if plan.config and p.config_path:
         config = {"path": p.config_path, "text": Path(plan.config).read_text(encoding="utf-8")}
@@ -117,11 +126,14 @@ def batch_script(
     }
     blob = base64.b64encode(json.dumps(job).encode()).decode()
     lines = [f"#!{p.node.venv.rstrip('/')}/bin/python"]
-    restart = plan.recovery.mode == "restart"
     lines += [f"#SBATCH {o}" for o in s.sbatch_options(plan.job_id, len(plan.nodes), restart=restart)]
     if chdir := batch_dir(p.cwd, s.shared_workdir):
         lines.append(f"#SBATCH --chdir={chdir}")
-    lines.append("#SBATCH --output=ddp-slurm-%j.out")
+    # Without shared storage the script starts in /tmp, where another user could make a predictable
+    # ddp-slurm-<id>.out theirs first (reading the job's output, or failing it): none; driver.log keeps it.
+    lines.append(f"#SBATCH --output={BATCH_OUTPUT if s.shared_workdir else '/dev/null'}")
+    if s.gpus_unresolved():
+        lines.append(f"# --gpus-per-node: from partition {s.partition or '(the default)'}'s Gres at submit")
     # Stop signals caught from the first line on, for the driver: Slurm may send a time limit's USR1 up to
     # 60 s before its lead (sbatch(1) --signal), at once in a short job, and USR1's default action kills.
     lines += [
@@ -134,6 +146,27 @@ def batch_script(
         "",
     ]
     return "\n".join(lines)
+
+
+def check_storage(plan: JobPlan, s: SlurmSettings) -> None:
+    """Without shared storage (slurm_shared_workdir: false): ddp_workdir absolute, and no requeue or
+    restart, whose new allocation would find neither the checkpoints nor the driver's attempts.json
+    (on the earlier nodes' own disks). LaunchError, one line."""
+    p = plan.nodes[0]
+    if s.shared_workdir:
+        return
+    if not (p.node.workdir or "").startswith("/"):
+        raise LaunchError(
+            "slurm_shared_workdir: false needs ddp_workdir, an absolute path on each node's own disk "
+            f"(the driver creates it there), not {p.node.workdir!r}"
+        )
+    if s.requeue or plan.recovery.mode == "restart":
+        what = "--requeue / --max-requeues / slurm_requeue" if s.requeue else "ddp_on_node_loss: restart"
+        raise LaunchError(
+            f"{what} with slurm_shared_workdir: false: a requeued job or a new attempt would find neither "
+            "the checkpoints nor the driver's attempts.json (each node's own disk); use storage the nodes "
+            "share (slurm_shared_workdir: true), or run without it"
+        )
 
 
 def logs_base(plan: JobPlan, s: SlurmSettings) -> str | None:
@@ -154,9 +187,11 @@ def shown_script(plan: JobPlan, s: SlurmSettings) -> str:
     )
 
 
-def preflight(session: Session, s: SlurmSettings, nodes: int) -> tuple[list[str], SlurmSettings]:
+def preflight(
+    session: Session, s: SlurmSettings, nodes: int, note: Callable[[str], None] = lambda line: None
+) -> tuple[list[str], SlurmSettings]:
     """Why the job cannot be submitted, one line each (empty: it can), and the settings with the GPU
-    request resolved against the partition's nodes (gpu_request)."""
+    request resolved against the partition's nodes (gpu_request); `note`: what the user should know."""
     where = s.submit.name
     rc, out = session.exec("scontrol --oneliner show partition", 30)
     if rc != 0:
@@ -187,20 +222,29 @@ def preflight(session: Session, s: SlurmSettings, nodes: int) -> tuple[list[str]
     if rc != 0:
         problems.append(f"sinfo --partition={name} --format=%G on {where}: {out.strip() or f'exit {rc}'}")
         return problems, s
-    gpus, problem = gpu_request(s, name, gres_gpus(out))
+    have, mixed = gres_gpus(out)
+    gpus, problem = gpu_request(s, name, have)
+    if mixed and gpus and not problem:
+        note(
+            f"partition {name} has nodes with and without GPUs (Gres): the job asks for {gpus} GPU(s) per "
+            "node, so Slurm places it on GPU nodes only (--gpus-per-node 0: a CPU job)"
+        )
     return problems + ([problem] if problem else []), dataclasses.replace(s, gpus_per_node=gpus)
 
 
 GRES_GPU = re.compile(r"(?:^|,)gpu(?::[^:,(]+)?:(\d+)")
 
 
-def gres_gpus(sinfo_gres: str) -> int:
-    """GPUs every node of the partition has: `sinfo --format=%G` prints one line per group of alike nodes
-    (`gpu:8`, `gpu:h100:8(S:0-1)`, `gpu:a100:4,gpu:v100:2`, `(null)`); the fewest of them."""
+def gres_gpus(sinfo_gres: str) -> tuple[int, bool]:
+    """(GPUs every GPU node of the partition has, whether it also has nodes without any): `sinfo
+    --format=%G` prints one line per group of alike nodes (`gpu:8`, `gpu:h100:8(S:0-1)`,
+    `gpu:a100:4,gpu:v100:2`, `(null)`); the fewest over the lines with GPUs (0: none has any). A job
+    that requests GPUs is only given nodes that have them."""
     counts = [
         sum(int(n) for n in GRES_GPU.findall(ln.strip())) for ln in sinfo_gres.splitlines() if ln.strip()
     ]
-    return min(counts, default=0)
+    with_gpus = [n for n in counts if n]
+    return min(with_gpus, default=0), bool(with_gpus) and len(with_gpus) < len(counts)
 
 
 def gpu_request(s: SlurmSettings, partition: str, have: int) -> tuple[int, str | None]:
@@ -239,7 +283,8 @@ class SlurmBackend:
         self.gone = ""  # the driver's line naming nodes that went away without an exit status
         self.stop_sent = False
         self.detached = False
-        self.read_at = 0.0  # the last read through srun (no shared storage)
+        self.pace = jobctl.Pace()  # when the driver's files are read through srun next (no shared storage)
+        self.read_host = ""  # the batch host whose files `offsets` are of
 
     def __enter__(self) -> SlurmBackend:
         return self
@@ -257,19 +302,23 @@ class SlurmBackend:
 
         log = self.log
         stage = None
+        check_storage(plan, self.s)
+        if self.cfg.skip_preflight and self.s.gpus_unresolved():
+            log.note(
+                f"ddp_nproc_per_node {self.s.nproc} with --skip-preflight: the GPU request comes from the "
+                "partition's Gres, which only the preflight reads; give --gpus-per-node N (0: none); "
+                "nothing was submitted"
+            )
+            raise Refused(exitcodes.BAD_INPUT)
         if plan.sync and not self.s.shared_workdir:
             # No shared storage, and the nodes may be reachable through Slurm alone: the directory goes
             # inside the batch script, and the driver's first step unpacks it on every node.
-            stage = {**stage_archive(plan.sync), "dir": plan.nodes[0].sync_dir or ""}
+            try:
+                stage = {**stage_archive(plan.sync), "dir": plan.nodes[0].sync_dir or ""}
+            except LaunchError as e:
+                log.note(str(e))
+                raise Refused(exitcodes.BAD_INPUT) from None
             size = len(stage["tar"]) * 3 // 4
-            if size > STAGE_MAX_BYTES:
-                log.note(
-                    f"--sync {plan.sync.root}: {size} bytes compressed; without shared storage "
-                    f"(slurm_shared_workdir: false) it travels inside the batch script, at most "
-                    f"{STAGE_MAX_BYTES} bytes (Slurm's max_script_size): leave data out (--sync-exclude, "
-                    ".ddpignore) or put the code on storage the nodes share; nothing was submitted"
-                )
-                raise Refused(exitcodes.BAD_INPUT)
             log.note(f"sync: {len(plan.sync.entries)} file(s), {size} bytes inside the batch script")
         elif plan.sync:
             # One batch script, one --chdir: the synced copy must have one path on every node.
@@ -290,13 +339,22 @@ class SlurmBackend:
             session = self._session()
             problems: list[str] = []
             if not self.cfg.skip_preflight:
-                problems, self.s = preflight(session, self.s, len(plan.nodes))
+                problems, self.s = preflight(session, self.s, len(plan.nodes), log.note)
             for line in problems:
                 log.note(f"preflight failed: {line}")
             if problems:
                 log.note("nothing was submitted (fix the lines above, or --skip-preflight)")
                 raise Refused(exitcodes.PREFLIGHT)
             script = batch_script(plan, self.s, preflight=not self.cfg.skip_preflight, stage=stage)
+            if stage and len(script.encode()) > SCRIPT_MAX_BYTES:
+                log.note(
+                    f"--sync {plan.sync.root if plan.sync else ''}: the batch script would be "
+                    f"{size_text(len(script.encode()))} with it, over Slurm's max_script_size "
+                    f"({size_text(SCRIPT_MAX_BYTES)} by default); without shared storage the directory "
+                    "travels inside it: leave data out (--sync-exclude, .ddpignore) or put the code on "
+                    "storage the nodes share; nothing was submitted"
+                )
+                raise Refused(exitcodes.BAD_INPUT)
             rc, out = session.exec(SBATCH, 60, stdin=script.encode())
         except RemoteError as e:
             log.note(f"preflight failed: Slurm is not reachable: {e}; nothing was submitted")
@@ -403,9 +461,13 @@ class SlurmBackend:
             code, stopped = exitcodes.SIGTERM, True
         reason = s.line(slurm_id)
         failure = None if code in (0, exitcodes.SIGTERM) else (self.gone or reason)
-        early = (
-            self._batch_output(plan, s, nodes.get(s.batch_host or batch)) if failure and not offsets else ""
-        )
+        early = ""
+        if failure and not offsets:
+            early = (
+                self._batch_output(plan, s, nodes.get(s.batch_host or batch))
+                if self.s.shared_workdir
+                else self._unread(plan, s.batch_host or batch)
+            )
         if failure and (self.gone or early):
             failure = self.gone or early
             log.note(f"Slurm job {slurm_id} FAILED: {failure}")
@@ -419,6 +481,16 @@ class SlurmBackend:
         elapsed = time.monotonic() - t0
         return JobResult(code, reason, stopped and code == exitcodes.SIGTERM, failure, {}, elapsed)
 
+    def _unread(self, plan: JobPlan, batch: str) -> str:
+        """Without shared storage, a job that failed before the launcher read a line of its driver: there
+        is no batch output (--output=/dev/null) to show; what it most likely was, in one line."""
+        node = plan.nodes[0].node
+        return (
+            f"the job failed before the launcher read a line of its driver (without shared storage its "
+            f"batch output is not kept): check that {batch or 'its batch host'} has ddp_venv {node.venv} "
+            f"and that ddp_workdir {node.workdir} there is yours and not writable by others"
+        )
+
     def _batch_output(self, plan: JobPlan, s: jobctl.SlurmState, batch: Any) -> str:
         """A job that failed before the driver wrote a line (the batch script's Python missing on the node,
         the driver failing to import): the batch output's last lines, said, and the failure's one line."""
@@ -426,7 +498,7 @@ class SlurmBackend:
 
         if batch is None:
             return ""
-        name = f"ddp-slurm-{self.slurm_id}.out"
+        name = BATCH_OUTPUT.replace("%j", self.slurm_id)
         path = s.stdout or (f"{plan.nodes[0].cwd.rstrip('/')}/{name}" if plan.nodes[0].cwd else f"~/{name}")
         where = shlex.quote(path) if not path.startswith("~/") else f'"$HOME"/{shlex.quote(path[2:])}'
         try:
@@ -453,19 +525,24 @@ class SlurmBackend:
     ) -> None:
         """The driver's new lines, read where they are (jobctl.reader): on the batch host over SSH when it is
         an inventory node, else on the submit host (shared ddp_workdir), else through an srun step into
-        the running job (no shared storage; at most every SRUN_READ_S)."""
+        the running job (no shared storage; as often as jobctl.Pace allows). Without shared storage the
+        offsets start again when the job runs on another batch host (a requeue): its files are new."""
+        if jobctl.moved(self.s.shared_workdir, self.read_host, s):  # requeued onto another batch host
+            offsets.clear()
+            self.pace = jobctl.Pace()
+        self.read_host = s.batch_host or self.read_host
         where = jobctl.reader(self.slurm_id, s, self.s.shared_workdir, s.batch_host in nodes)
         if where is None:
             return
         host, through = where
-        if through:
-            if time.monotonic() - self.read_at < SRUN_READ_S:
-                return
-            self.read_at = time.monotonic()
+        if through and not self.pace.due(time.monotonic()):
+            return
         session = self.pool.get(nodes[s.batch_host]) if host == "batch" else self._session()
         directory = log_dir(logs_base(plan, self.s), self.slurm_id)
         python = f"{plan.nodes[0].node.venv.rstrip('/')}/bin/python"
         got = jobctl.read_logs(session, python, directory, offsets, through)
+        if through:
+            self.pace.done(time.monotonic(), jobctl.grew(got, offsets))
         # The ranks' files before the driver's: the driver wrote every line of an attempt before its
         # requeue or done line, and read_logs read driver.log first, so what the ranks printed before
         # that line is here, said before it and counted for the attempt it belongs to.

@@ -11,6 +11,7 @@ driver's stop (protocol.STOP): SIGTERM to its torchrun alone, unless Slurm's own
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -167,28 +168,63 @@ def probe_main() -> int:
 
 
 def stage_main() -> int:
-    """No shared storage: ddp_workdir on this node, and the job's --sync copy unpacked into its
-    content-addressed directory, as the SSH backend's sync leaves it (launch/node/sync.py); a copy already
-    there and intact is kept."""
+    """No shared storage: ddp_workdir on this node (made, or checked to be this user's alone:
+    storage.own_dir), and the job's --sync copy unpacked into its content-addressed directory, as the SSH
+    backend's sync leaves it (launch/node/sync.py); a copy already there and intact is kept. A failure is
+    one line naming the node and its cause, exit 1."""
+    import tarfile
+
+    from ddp_train.errors import UserError
+
+    host = socket.gethostname()
+    job: dict[str, Any] = json.loads(sys.stdin.buffer.readline())
+    try:
+        return _stage(job, host)
+    except (OSError, ValueError, tarfile.TarError, UserError) as e:
+        print(f"ddp-slurm: stage: {host}: {_cause(e)}", flush=True)
+    except SystemExit as e:  # launch/node/sync.py's refusals: an unsafe member, a wrong digest
+        print(f"ddp-slurm: stage: {host}: {' '.join(str(e.code).split())}", flush=True)
+    return 1
+
+
+def _cause(e: BaseException) -> str:
+    """The exception in one line (tarfile's ReadError spans several)."""
+    if isinstance(e, OSError) and e.filename:
+        text = f"{e.filename}: {e.strerror or e}"
+    else:
+        text = str(e) if str(e).startswith("/") else f"{type(e).__name__}: {e}"
+    return " ".join(text.split())
+
+
+def _stage(job: Mapping[str, Any], host: str) -> int:
     import base64
+    import shutil
 
     from ddp_train.launch.node import sync
+    from ddp_train.storage import create_new, own_dir
 
-    job: dict[str, Any] = json.loads(sys.stdin.buffer.readline())
-    os.makedirs(job["logs_in"], mode=0o700, exist_ok=True)
+    fix = "set ddp_workdir to a directory of yours"
+    own_dir(job["logs_in"], fix=fix)
     staged = job.get("stage")
     if not staged:
         return 0
     base, name = os.path.split(staged["dir"].rstrip("/"))
+    own_dir(base, fix=fix)
     if sync.inspect(base, name, staged["digest"])["present"]:
         print(f"{staged['dir']}: up to date", flush=True)
         return 0
-    tmp = os.path.join(base, f"{name}.tmp-{os.getpid()}")
+    tmp = os.path.join(base, f"{name}.tmp-{host}-{os.getpid()}")
     archive = f"{tmp}.tar.gz"
-    with open(archive, "wb") as f:
-        f.write(base64.b64decode(staged["tar"]))
-    sync.unpack(base, tmp, archive, "", [])
-    sync.finish(base, name, tmp, staged["digest"])
+    try:
+        with os.fdopen(create_new(archive), "wb") as f:
+            f.write(base64.b64decode(staged["tar"], validate=True))
+        sync.unpack(base, tmp, archive, "", [])
+        sync.finish(base, name, tmp, staged["digest"])
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.unlink(archive)
+        raise
     print(f"{staged['dir']}: unpacked", flush=True)
     return 0
 
