@@ -237,3 +237,17 @@ def test_a_vault_in_group_vars_is_read_with_ansibles_password_file_and_refused_i
         load_nodes([str(inv)])  # a stale setting is one line too, never a traceback
     monkeypatch.setattr(constants, "DEFAULT_VAULT_PASSWORD_FILE", str(write(tmp_path / "pw", "s3cret\n")))
     assert load_nodes([str(inv)])[0].workdir == "/srv/vaulted"
+
+
+def test_inventory_host_finds_any_host_of_the_inventory_by_name(tmp_path: Path) -> None:
+    """fetch --hosts and the cluster monitor's host (ddp_monitor_host) look hosts up here, outside the
+    node group too (a login or monitor host)."""
+    from ddp_train.launch.plan.inventory import inventory_host
+
+    inv = write(
+        tmp_path / "hosts.yml",
+        "all:\n  children:\n    gpu_nodes:\n      hosts:\n        n0: {ansible_host: 10.0.0.1}\n"
+        "    login:\n      hosts:\n        lg: {ansible_host: 10.0.0.9}\n",
+    )
+    assert (node := inventory_host("lg", [str(inv)])) is not None and node.address == "10.0.0.9"
+    assert inventory_host("nope", [str(inv)]) is None

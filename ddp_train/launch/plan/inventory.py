@@ -201,6 +201,12 @@ def vault_failure(where: str, err: Exception) -> str:
     )
 
 
+def inventory_host(name: str, sources: Sequence[str], extra_vars: Sequence[str] = ()) -> Node | None:
+    """The inventory's host `name` among all its hosts (group all: a login or monitor host too, not only
+    the node group); None when it has none of that name. Relative sources: to this directory."""
+    return next((n for n in load_nodes(sources, group="all", extra_vars=extra_vars) if n.name == name), None)
+
+
 @contextlib.contextmanager
 def _quiet_ansible() -> Iterator[list[str]]:
     """Collect Ansible's warnings instead of printing them; they are reported only if useful."""
