@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from ddp_train import storage, workerproc
+from ddp_train import stackdump, storage, workerproc
 from ddp_train.config import Config, ConfigError
 from ddp_train.plugins import call_plugin
 
@@ -391,8 +391,10 @@ def _worker_init(rank_pid: int, _worker_id: int) -> None:
     """A DataLoader worker leaves a stop to its rank (workerproc.py). torch's workers keep the default
     actions (torch 2.13 utils/data/_utils/signal_handling.py handles SIGSEGV/SIGBUS/SIGFPE only): a stop
     killed them mid-step and the rank failed with "DataLoader worker (pid N) is killed by signal:
-    Terminated" before it could save. The rank ends them itself (ShardedBatches.close)."""
+    Terminated" before it could save. The rank ends them itself (ShardedBatches.close). A forked worker
+    also leaves the stall watchdog's stack dump to its rank (stackdump.not_in_a_worker)."""
     workerproc.leave_stops_to(rank_pid)
+    stackdump.not_in_a_worker()
 
 
 class ShardedBatches:

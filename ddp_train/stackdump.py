@@ -46,6 +46,17 @@ def install(rank: int) -> None:
         _stall = None
 
 
+def not_in_a_worker() -> None:
+    """In a forked DataLoader worker: no SIGUSR1 dump. The worker inherits the rank's registration, its
+    RANK and its open dump file, so node/stack.sh signalled it too and its stack (which also ends in the
+    rank's `<module>` frames, where it was forked) landed in r<rank>.txt before or after the rank's own,
+    at random: the watchdog then compared workers and said "every rank shows the same stack" instead of
+    naming the stalled rank (a full run of stop 54). Ignored, SIGUSR1 is not in the worker's SigCgt, so
+    stack.sh leaves it alone."""
+    faulthandler.unregister(signal.SIGUSR1)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
 def _private(directory: str) -> bool:
     """The directory is a real one of this user's, writable by nobody else (the agent's mkdtemp): a dump
     must never land where another user could have put a symlink (issue #24)."""

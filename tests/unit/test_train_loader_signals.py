@@ -109,6 +109,9 @@ def test_a_stop_to_the_process_group_leaves_the_workers_serving_until_the_rank_c
         workers = ready["workers"]
         assert len(workers) == 2 and all(proc_state(p) != "gone" for p in workers)
         assert_workers_never_open_to_a_stop(ready)
+        # the stall watchdog's SIGUSR1 (node/stack.sh signals what catches it) is the rank's alone: a
+        # worker's dump in r<rank>.txt hid the rank's own (stackdump.not_in_a_worker)
+        assert all(has(status_mask(p, "SigIgn"), signal.SIGUSR1) for p in workers)
         assert not has(status_mask(rank.proc.pid, "SigBlk"), signal.SIGTERM)  # the rank's is lifted
         os.killpg(rank.proc.pid, sig)  # what torchrun does to each rank on a stop
         time.sleep(0.5)  # a worker with the default action is dead by now, and the rank would see it
