@@ -243,15 +243,10 @@ def load(path: Path) -> dict[str, Any]:
     used instead of all copied into memory first (torch.load docs, `mmap`); files are only ever
     replaced by rename, never written in place, so a mapping stays valid.
 
-    Not read-only, and on purpose (issue #46 asked for it): torch maps the file through
-    UntypedStorage.from_file (torch/serialization.py, 2.11 and 2.13), always writable, MAP_PRIVATE or,
-    with set_default_mmap_options(MAP_SHARED), MAP_SHARED. Shared would let any in-place write reach the
-    checkpoint itself (optimizer.load_state_dict keeps a CPU state tensor of the parameter's dtype as it
-    is, and AdamW's step then writes into it). Private writable is charged against the commit limit for
-    the file's size (mm/mmap.c accountable_mapping: VM_WRITE without VM_SHARED): on a GPU only until
-    the state is on the device and the loaded dict is dropped; on CPU the optimizer's moments stay
-    pages of it, the memory they need anyway. mmap=False would charge the same and make it all resident
-    at once. The token files, mapped for the whole run, are read-only (data.TokenFile).
+    Not read-only, on purpose (#46): torch maps only writable (UntypedStorage.from_file, 2.11 and 2.13);
+    MAP_SHARED would let AdamW's in-place step on a CPU state tensor write into the checkpoint. Private
+    writable is charged against the commit limit (mm/mmap.c accountable_mapping) only until the state
+    is on the GPU (on CPU: the moments' own memory); mmap=False charges the same, all resident.
     """
     verify(path)
     origin = check_replica(path)
@@ -341,20 +336,15 @@ class NoReplication:
     def offer(self) -> dict[str, Any]:
         return {}
 
-    def connect(self, reports: list[dict[str, Any]]) -> None:
-        pass
+    def connect(self, reports: list[dict[str, Any]]) -> None: ...
 
-    def send(self, path: Path, best: Path | None = None) -> None:
-        pass
+    def send(self, path: Path, best: Path | None = None) -> None: ...
 
-    def send_best(self, best: Path) -> None:
-        pass
+    def send_best(self, best: Path) -> None: ...
 
-    def finish(self, timeout_s: float) -> None:
-        pass
+    def finish(self, timeout_s: float) -> None: ...
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None: ...
 
 
 class Checkpointer:

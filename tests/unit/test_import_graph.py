@@ -28,7 +28,7 @@ preflight:           launch.preflight
 a running job:       launch.run launch.jobs.metricsview
 the plan:            launch.plan
 reaching nodes:      launch.remote
-launcher records:    launch launch.errors launch.plan.inventory launch.jobs.jobstate
+launcher records:    launch launch.errors launch.plan.inventory launch.plan.vault launch.jobs.jobstate
 node code:           launch.node
 trainer programs:    trainer prepare agent allreduce compilecheck
 loop parts:          hooks meter replica

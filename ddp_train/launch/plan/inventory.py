@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 import re
 import shlex
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ddp_train.launch.errors import LaunchError, one_line
+from ddp_train.launch.plan import vault
 from ddp_train.text import short
 
 DEFAULT_INVENTORY = "inventory/local"  # without --hosts (ddp-launch and its job commands)
@@ -129,7 +129,7 @@ def load_nodes(
         from ansible.inventory.manager import InventoryManager
         from ansible.vars.manager import VariableManager
 
-        loader = data_loader()
+        loader = vault.data_loader()
         where = ", ".join(sources)
         # A source no plugin parses is an error here, not a warning and an empty inventory. Set on
         # Ansible's constants for this parse only (InventoryManager reads it while parsing), never in
@@ -148,57 +148,7 @@ def load_nodes(
         try:
             return [_node(loader, variables, h, extra, where) for h in hosts]
         except AnsibleError as e:  # group_vars/host_vars are read here: a vault without its password
-            raise LaunchError(vault_failure(where, e)) from None
-
-
-def data_loader() -> Any:
-    """Ansible's DataLoader holding the vault passwords ansible-playbook would use without a prompt:
-    ansible.cfg's vault_password_file / vault_identity_list, or ANSIBLE_VAULT_PASSWORD_FILE /
-    ANSIBLE_VAULT_IDENTITY_LIST (ansible/cli/__init__.py CLI.setup_vault_secrets, auto_prompt=False;
-    `@prompt` identities are left out: ddp-launch never prompts). LaunchError (one line) when a password
-    file named there cannot be read."""
-    from ansible.parsing.dataloader import DataLoader
-
-    loader = DataLoader()
-    loader.set_vault_secrets(_vault_secrets(*_vault_config()))
-    return loader
-
-
-def _vault_config() -> tuple[tuple[str, ...], str | None]:
-    from ansible import constants
-
-    prompts = ("@prompt", "@prompt_ask_vault_pass")
-    ids = tuple(i for i in constants.DEFAULT_VAULT_IDENTITY_LIST if not i.endswith(prompts))
-    return ids, constants.DEFAULT_VAULT_PASSWORD_FILE
-
-
-@functools.lru_cache(maxsize=4)
-def _vault_secrets(ids: tuple[str, ...], password_file: str | None) -> list[Any]:
-    """Read once per process: a password file that is a script runs once, not at every inventory read."""
-    from ansible.cli import CLI
-    from ansible.errors import AnsibleError
-    from ansible.parsing.dataloader import DataLoader
-
-    try:
-        return list(
-            CLI.setup_vault_secrets(DataLoader(), list(ids), auto_prompt=False, initialize_context=False)
-        )
-    except AnsibleError as e:
-        where = f"vault_password_file {password_file}" if password_file else "vault_identity_list"
-        raise LaunchError(f"{where}: {one_line(str(getattr(e, 'message', None) or e), None)}") from None
-
-
-def vault_failure(where: str, err: Exception) -> str:
-    """One line for an inventory file Ansible could not read (most often a vault with no password)."""
-    text = one_line(str(getattr(err, "message", None) or err), None).rstrip(".")
-    if "vault" not in text.lower() and "decrypt" not in text.lower():
-        return f"inventory {where}: {text}"
-    if _vault_secrets(*_vault_config()):
-        return f"inventory {where}: {text}: the vault password ddp-launch was given does not open it"
-    return (
-        f"inventory {where}: {text}; ddp-launch reads a vault as ansible-playbook does without a prompt: "
-        "set vault_password_file in ansible.cfg or ANSIBLE_VAULT_PASSWORD_FILE (docs/security.md)"
-    )
+            raise LaunchError(vault.failure(where, e)) from None
 
 
 def inventory_host(name: str, sources: Sequence[str], extra_vars: Sequence[str] = ()) -> Node | None:

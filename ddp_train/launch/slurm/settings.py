@@ -213,12 +213,13 @@ def _inventory(
     """(group -> hosts, the ddp_backend, ddp_nproc_per_node and slurm_* variables of the node group's
     first host)."""
     from ddp_train.launch.plan import inventory as inv
+    from ddp_train.launch.plan import vault
 
     with inv._quiet_ansible():
         from ansible.inventory.manager import InventoryManager
         from ansible.vars.manager import VariableManager
 
-        loader = inv.data_loader()
+        loader = vault.data_loader()
         manager = InventoryManager(loader=loader, sources=list(sources))
         groups = {name: [h.name for h in g.get_hosts()] for name, g in manager.groups.items()}
         group = inv.DEFAULT_GROUP if groups.get(inv.DEFAULT_GROUP) else "all"
