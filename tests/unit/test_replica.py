@@ -131,14 +131,20 @@ def test_an_own_save_over_a_replica_drops_its_sha256_file(tmp_path, receiver):
     assert "replica_from" not in checkpoint.load(copy)
 
 
-def test_an_unreachable_receiver_is_one_warning_and_finish_says_the_copy_did_not_complete(tmp_path, caplog):
-    caplog.set_level(logging.INFO, "ddp_train")
+def unreachable_replicas(tmp_path: Path) -> replica.Replicas:
+    """Rank 0's Replicas whose one receiver (node1) listens nowhere."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nothing listens there
     reps = replica.Replicas(tmp_path / "node0", rank=0, local_rank=0, world_size=4, local_world_size=2,
                             replicas=1, keep_latest_k=2, master_addr="127.0.0.1", timeout_s=5)  # fmt: skip
     reps.connect([{"host": "node0"}, {}, {"host": "node1", "replica_addr": f"127.0.0.1|{port}|t"}, {}])
+    return reps
+
+
+def test_an_unreachable_receiver_is_one_warning_and_finish_says_the_copy_did_not_complete(tmp_path, caplog):
+    caplog.set_level(logging.INFO, "ddp_train")
+    reps = unreachable_replicas(tmp_path)
     reps.send(checkpoint.save(state(10), tmp_path / "node0", 10))
     reps.finish(5)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
@@ -149,12 +155,7 @@ def test_an_unreachable_receiver_is_one_warning_and_finish_says_the_copy_did_not
 
 def test_finish_waits_for_a_best_pt_queued_alone_and_names_it_when_it_failed(tmp_path, caplog):
     """checkpoint.interval_steps=0 with eval: only best.pt is queued; finish() waits for it too."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nothing listens there
-    reps = replica.Replicas(tmp_path / "node0", rank=0, local_rank=0, world_size=4, local_world_size=2,
-                            replicas=1, keep_latest_k=2, master_addr="127.0.0.1", timeout_s=5)  # fmt: skip
-    reps.connect([{"host": "node0"}, {}, {"host": "node1", "replica_addr": f"127.0.0.1|{port}|t"}, {}])
+    reps = unreachable_replicas(tmp_path)
     best = checkpoint.save_file(state(10), tmp_path / "best.pt")
     reps.send_best(best)
     reps.finish(5)
