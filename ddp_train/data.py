@@ -392,9 +392,10 @@ def _worker_init(rank_pid: int, _worker_id: int) -> None:
     actions (torch 2.13 utils/data/_utils/signal_handling.py handles SIGSEGV/SIGBUS/SIGFPE only): a stop
     killed them mid-step and the rank failed with "DataLoader worker (pid N) is killed by signal:
     Terminated" before it could save. The rank ends them itself (ShardedBatches.close). A forked worker
-    also leaves the stall watchdog's stack dump to its rank (stackdump.not_in_a_worker)."""
-    workerproc.leave_stops_to(rank_pid)
+    also leaves the stall watchdog's stack dump to its rank (stackdump.not_in_a_worker), first: a
+    worker whose stops are lifted is past its init (test_train_loader_signals waits for just that)."""
     stackdump.not_in_a_worker()
+    workerproc.leave_stops_to(rank_pid)
 
 
 class ShardedBatches:
