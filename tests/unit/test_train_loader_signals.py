@@ -32,12 +32,19 @@ def proc_state(pid: int) -> str:
     return "gone" if state in ("Z", "X") else state
 
 
+def status_masks(pid: int, *fields: str) -> tuple[int, ...]:
+    """Signal masks of /proc/PID/status (SigBlk, SigIgn) as ints, all from one read: the kernel writes
+    them together, while two reads can straddle a worker's whole init and show SigIgn from before it
+    with SigBlk from after (neither ignored nor held: a full run saw 0x1001000 and 0)."""
+    masks = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    missing = [f for f in fields if f not in masks]
+    assert not missing, f"no {missing} in /proc/{pid}/status"
+    return tuple(int(masks[f].strip(), 16) for f in fields)
+
+
 def status_mask(pid: int, field: str) -> int:
-    """A signal mask of /proc/PID/status (SigBlk, SigIgn) as an int."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1], 16)
-    raise AssertionError(f"no {field} in /proc/{pid}/status")
+    """One signal mask of /proc/PID/status as an int."""
+    return status_masks(pid, field)[0]
 
 
 def has(mask: int, sig: signal.Signals) -> bool:
@@ -78,7 +85,7 @@ def assert_workers_never_open_to_a_stop(ready: dict) -> None:
     for pid in ready["workers"]:
         deadline = time.monotonic() + 20
         while True:
-            ignored, held = status_mask(pid, "SigIgn"), status_mask(pid, "SigBlk")
+            ignored, held = status_masks(pid, "SigIgn", "SigBlk")
             for sig in (signal.SIGTERM, signal.SIGINT):
                 assert has(ignored | held, sig), (pid, hex(ignored), hex(held))
             # the init ignores the signals, then lifts the inherited mask: sampled between the two
