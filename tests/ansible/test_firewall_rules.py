@@ -57,6 +57,7 @@ def test_port_range_policy_opens_each_training_port_to_the_cluster_only(playbook
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sources", [["10.1.0.0/24"], ["10.1.0.0/24", "10.2.0.5"]])
 def test_trusted_sources_policy_accepts_the_sources_and_nothing_else(playbook, tmp_path, sources):
     got = _render(
@@ -85,6 +86,7 @@ def test_by_default_only_the_inventory_nodes_are_trusted_not_the_subnet(playbook
     assert "10.1.0.0/24" not in got["nft"]
 
 
+@pytest.mark.slow
 def test_the_subnet_stays_an_explicit_choice(playbook, tmp_path):
     got = _render(
         playbook, tmp_path, inventory=_inventory(tmp_path, NODES), firewall_trusted_sources=["10.1.0.0/24"]
@@ -117,6 +119,7 @@ SS_NAT = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("registered", "expected"),
     [
@@ -171,6 +174,7 @@ def test_slurm_ports_and_srun_range_are_opened_to_the_cluster_only(playbook, tmp
     assert got["nft"].count("elements = { 10.1.0.10, 10.1.0.11, 10.1.0.12 }") == 2
 
 
+@pytest.mark.slow
 def test_slurmdbd_and_the_srun_range_follow_the_slurm_variables(playbook, tmp_path):
     got = _render(
         playbook,
@@ -186,6 +190,7 @@ def test_slurmdbd_and_the_srun_range_follow_the_slurm_variables(playbook, tmp_pa
     ]
 
 
+@pytest.mark.slow
 def test_no_slurm_ports_without_a_slurm_controller_group(playbook, tmp_path):
     nft = _render(playbook, tmp_path, inventory=_inventory(tmp_path, NODES))["nft"]
     assert "6817" not in nft and "60001" not in nft
@@ -249,6 +254,7 @@ def test_on_the_slurm_controller_only_the_slurm_ports_are_opened(playbook, tmp_p
     assert "cluster_sources" not in got["nft"] and "29500" not in got["nft"] and "50000" not in got["nft"]
 
 
+@pytest.mark.slow
 def test_the_slurm_groups_are_the_roles_variables(playbook, tmp_path):
     inventory = _separate_controller_inventory(tmp_path, controller="head", login="submit")
     got = _render(
@@ -280,6 +286,7 @@ def _monitored_inventory(tmp_path, monitoring_host: str = "node0") -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_the_exporter_port_is_open_to_the_monitoring_host_only(playbook, tmp_path):
     got = _render(playbook, tmp_path, inventory=_monitored_inventory(tmp_path), rules_host="node1")
     exporter = [r for r in got["rich_rules"] if 'port="9100"' in r]
@@ -303,6 +310,7 @@ def test_the_exporter_port_is_open_to_the_monitoring_host_only(playbook, tmp_pat
     assert "monitoring" not in plain["nft"] and not [r for r in plain["rich_rules"] if "9100" in r]
 
 
+@pytest.mark.slow
 def test_prometheus_is_open_to_the_monitoring_sources_only_on_the_monitoring_host(playbook, tmp_path):
     """Prometheus answers queries without authentication (issue #44): on the monitoring host its port is
     decided like the exporters', open to the monitoring sources only (the host itself, by default)."""

@@ -23,6 +23,7 @@ def _fake_pci(root: Path, devices: dict[str, tuple[str, str]]) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_gpu_roles_fail_on_a_host_without_gpu_by_default(testbed, playbook):
     res = playbook("-i", str(testbed.inventory), "playbooks/gpu.yml")
     assert res.returncode == 2, res.out[-3000:]
@@ -30,6 +31,7 @@ def test_gpu_roles_fail_on_a_host_without_gpu_by_default(testbed, playbook):
     assert "set nvidia_driver_require_gpu: false" in res.out
 
 
+@pytest.mark.slow
 def test_gpu_roles_skip_with_a_message_when_the_gpu_is_optional(testbed, playbook):
     res = playbook("-i", str(testbed.inventory), *SKIP_GPU, "playbooks/gpu.yml")
     assert res.returncode == 0, res.out[-3000:]
@@ -38,6 +40,7 @@ def test_gpu_roles_skip_with_a_message_when_the_gpu_is_optional(testbed, playboo
     assert set(re.findall(r"changed=(\d+)", res.out)) == {"0"}
 
 
+@pytest.mark.slow
 def test_nvidia_gpus_and_nvswitches_are_counted_from_pci_ids(testbed, playbook, tmp_path):
     pci = _fake_pci(
         tmp_path / "pci",  # /tmp is shared with the testbed hosts
@@ -55,6 +58,7 @@ def test_nvidia_gpus_and_nvswitches_are_counted_from_pci_ids(testbed, playbook, 
     assert res.out.count("gpus=2 nvswitches=1 loaded=False") == 3
 
 
+@pytest.mark.slow
 def test_a_detected_gpu_is_not_skipped_and_unsupported_os_is_refused(testbed, playbook, tmp_path):
     """With a GPU present the driver is installed even when optional, and Debian 12 is refused clearly."""
     pci = _fake_pci(tmp_path / "pci", {"0000:17:00.0": ("0x10de", "0x030200")})

@@ -51,6 +51,7 @@ def test_site_yml_imports_the_seven_playbooks_in_order():
     assert imported == [f"playbooks/{n}.yml" for n in names]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_molecule_syntax(venv_bin, scenario, tmp_path):
     # Not the scenario's shared working directory, where a `molecule test` on another pytest-xdist

@@ -60,6 +60,7 @@ def _file_values(tmp_path: Path) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"^(\S+)=(\d+)$", text, re.M)}
 
 
+@pytest.mark.slow
 def test_a_higher_live_value_is_kept_not_lowered(thresholds, playbook, tmp_path):
     before, _ = thresholds
     res = _run(playbook, tmp_path, 3, "-e", "cluster_hosts_neigh_gc_thresh3_min=16")
@@ -95,6 +96,7 @@ def test_the_thresholds_follow_the_cluster_size_and_verify_checks_them(threshold
     assert named in bigger.out, bigger.out[-3000:]
 
 
+@pytest.mark.slow
 def test_a_sysctl_file_that_would_lower_them_at_boot_is_named(thresholds, playbook, tmp_path):
     before, _ = thresholds
     others = tmp_path / "sysctl.d"

@@ -86,6 +86,7 @@ def test_cluster_hosts_refuses_an_fqdn_that_would_add_lines_to_every_hosts_file(
     assert "+6.6.6.6" not in res.out and "# BEGIN ddp-train" not in res.out
 
 
+@pytest.mark.slow
 def test_localhost_in_any_case_is_one_loopback_name_never_written(playbook, tmp_path):
     hosts = _nodes("127.0.1", node1={"hostname": "LOCALHOST", "fqdn": "Localhost.LocalDomain"})
     res, _ = _run(playbook, tmp_path, "cluster_hosts", hosts, cidr="127.0.0.0/8")

@@ -54,12 +54,14 @@ def _node_state(testbed) -> dict[str, str]:
     return {h.name: testbed.ssh(h, cmd).stdout for h in testbed.hosts()}
 
 
+@pytest.mark.slow
 def test_a_valid_inventory_passes_preflight(testbed, playbook):
     res = playbook("-i", str(testbed.inventory), "playbooks/preflight.yml")
     assert res.returncode == 0, res.out[-3000:]
     assert re.findall(r"node\d\s+: ok=\d+\s+changed=0\s+unreachable=0\s+failed=0", res.out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_bad_input_stops_site_yml_before_anything_changes(case, testbed, playbook, tmp_path):
     edit, extra, message = CASES[case]

@@ -132,6 +132,7 @@ def _become(tb: testbed_mod.Testbed, identity: str | None) -> None:
     tb.exec(host, "; ".join(cmds))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_preflight_refuses_before_any_change(case, os_host, playbook):
     identity, extra, message = CASES[case]
@@ -151,6 +152,7 @@ def test_preflight_refuses_before_any_change(case, os_host, playbook):
     assert before == after
 
 
+@pytest.mark.slow
 def test_the_default_stack_passes_preflight(os_host, playbook):
     res = playbook("-i", str(os_host.inventory), "playbooks/preflight.yml")
     assert res.returncode == 0, res.out[-3000:]

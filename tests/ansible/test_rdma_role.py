@@ -26,6 +26,7 @@ def _changed(out: str) -> set[str]:
     return set(re.findall(r"changed=(\d+)", out))
 
 
+@pytest.mark.slow
 def test_hosts_without_hca_are_skipped_with_a_message(testbed, playbook):
     res = playbook("-i", str(testbed.inventory), PLAY)
     assert res.returncode == 0, res.out[-3000:]
@@ -33,6 +34,7 @@ def test_hosts_without_hca_are_skipped_with_a_message(testbed, playbook):
     assert _changed(res.out) == {"0"}
 
 
+@pytest.mark.slow
 def test_debian_path_in_check_mode_with_a_recorded_hca(testbed, playbook):
     """apt would install Debian's package names; nothing is written (check mode)."""
     res = playbook("-i", str(testbed.inventory), "--check", "--diff", "-l", "node0",
@@ -88,6 +90,7 @@ def test_el_path_on_the_el9_simulation(el9, playbook, tmp_path):
     assert "`ibv_devinfo -l` lists mlx5_0, not every device in sysfs (mlx5_0, mlx5_1)" in res.out
 
 
+@pytest.mark.slow
 def test_verify_reports_and_checks_the_transport_nccl_chose(playbook, venv_bin, tmp_path):
     """verify.yml's checks over recorded sysfs trees and NCCL logs, one local host per case, in one run."""
     cases = {

@@ -51,6 +51,7 @@ def _fatal(res) -> str:
     return msgs[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("major", "arch", "url", "key", "fingerprint"),
     [
@@ -84,6 +85,7 @@ def test_the_vendored_openhpc_keys_have_the_pinned_fingerprints(key, fingerprint
     assert [line.split(":")[9] for line in out.splitlines() if line.startswith("fpr:")] == [fingerprint]
 
 
+@pytest.mark.slow
 def test_an_explicit_openhpc_url_and_a_mirror_are_kept(playbook, tmp_path):
     own = "http://mirror.example/ohpc-release-3-1.el9.x86_64.rpm"
     res, got = _run(playbook, tmp_path, "openhpc", _facts("9"), slurm_openhpc_release_url=own)
@@ -113,6 +115,7 @@ def _placed_key(tmp_path: Path) -> tuple[Path, str]:
     return keys, key.read_text()
 
 
+@pytest.mark.slow
 def test_el10s_cuda_key_is_refused_unless_it_has_the_checksum_nvidia_pins(playbook, tmp_path):
     """EL10's CDF6BA43.pub has no published fingerprint: a key file of another sha256 (without its Version
     lines) than NVIDIA_GPGKEY_SUM is refused before rpm imports it; the admin's fingerprint replaces the
@@ -134,6 +137,7 @@ def test_el10s_cuda_key_is_refused_unless_it_has_the_checksum_nvidia_pins(playbo
     assert "refusing" not in res.out and "TASK [cuda_repo : Import the key]" in res.out, res.out[-3000:]
 
 
+@pytest.mark.slow
 def test_a_key_file_that_holds_another_key_beside_the_pinned_one_is_refused_and_removed(playbook, tmp_path):
     """rpm --import would take every key in the file: the pinned fingerprint must be the only primary key."""
     keys, text = _placed_key(tmp_path)
@@ -147,6 +151,7 @@ def test_a_key_file_that_holds_another_key_beside_the_pinned_one_is_refused_and_
     assert not key.exists()  # removed: no repository reads it, and the next run fetches it again
 
 
+@pytest.mark.slow
 def test_the_checksum_ignores_the_version_header_as_nvidias_check_does(playbook, tmp_path):
     keys, text = _placed_key(tmp_path)
     key = keys / "RPM-GPG-KEY-cuda-rhel10"
@@ -168,6 +173,7 @@ def _unsigned_rpm(tmp_path: Path) -> Path:
     return rpm
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("rpmbuild") is None or shutil.which("rpm") is None, reason="no rpm here")
 def test_an_epel_release_package_not_signed_by_the_pinned_key_is_refused_on_rhel(playbook, tmp_path):
     """RHEL installs epel-release from a URL, which dnf does not check: rpm -K must find it signed by EPEL's

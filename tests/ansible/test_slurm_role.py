@@ -91,6 +91,7 @@ def _lines(conf: str) -> list[str]:
     return [line for line in conf.splitlines() if line and not line.startswith("#")]
 
 
+@pytest.mark.slow
 def test_slurm_conf_lists_every_node_as_its_slurmd_sees_it(playbook, tmp_path):
     conf = _lines(_render(playbook, tmp_path)["slurm.conf"])
     hw = "CPUs=96 Boards=1 SocketsPerBoard=2 CoresPerSocket=24 ThreadsPerCore=2 RealMemory=950000"
@@ -116,6 +117,7 @@ def test_slurm_conf_lists_every_node_as_its_slurmd_sees_it(playbook, tmp_path):
     assert not [line for line in conf if line.startswith("AccountingStorage")]
 
 
+@pytest.mark.slow
 def test_the_testbed_choices_are_variables_and_slurmdbd_replaces_the_text_file(playbook, tmp_path):
     got = _render(
         playbook,
@@ -150,6 +152,7 @@ def test_the_testbed_choices_are_variables_and_slurmdbd_replaces_the_text_file(p
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("nvml", "autodetect"),
     [({}, False), ({"gpu-0": True, "gpu-1": True}, False), ({n: True for n in NODES}, True)],
@@ -163,6 +166,7 @@ def test_gres_conf_names_the_device_files_and_autodetects_only_with_nvml(
     assert gres == (["AutoDetect=nvml"] if autodetect else []) + files
 
 
+@pytest.mark.slow
 def test_without_nvml_gres_conf_gives_each_gpu_the_cores_of_its_socket(playbook, tmp_path):
     """Issue #45 7b: EPEL's Slurm has no NVML, so the GPUs' CPU affinity comes from sysfs, as Slurm's logical
     core indexes: gpu-1's BIOS numbers the sockets' CPUs alternately (socket 0: CPUs 0, 2, ... 94), yet its
@@ -176,6 +180,7 @@ def test_without_nvml_gres_conf_gives_each_gpu_the_cores_of_its_socket(playbook,
     ]
 
 
+@pytest.mark.slow
 def test_gres_cores_per_gpu_and_none_where_the_driver_named_no_minor(playbook, tmp_path):
     """One core (two threads) per GPU, by device minor whatever the PCI order (gpu-0's first two slots hold
     minors 1 and 0); gpu-1's driver not loaded (no minor): its File= line without Cores=; with NVML,
@@ -194,6 +199,7 @@ def test_gres_cores_per_gpu_and_none_where_the_driver_named_no_minor(playbook, t
     assert gres == ["AutoDetect=nvml", *files]
 
 
+@pytest.mark.slow
 def test_a_munge_key_from_the_inventory_is_used_without_its_line_breaks(playbook, tmp_path):
     key = "QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVphYmNkZWZn\naGlqa2xtbm9wcXJzdHV2d3h5eg==\n"
     got = _render(playbook, tmp_path, slurm_munge_key=key)
@@ -251,6 +257,7 @@ def _site_inventory(tmp_path: Path, controller: bool, **values) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("controller", "values", "message"),
     [

@@ -216,6 +216,7 @@ def install(unit_dir: Path, files: dict[str, str], packaged: dict[str, Path]) ->
     return [unit_dir / n for n in sorted(names)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_the_monitoring_roles_units_and_drop_ins_verify(rendered, tmp_path, case):
     files = rendered[case]

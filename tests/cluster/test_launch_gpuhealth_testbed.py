@@ -35,6 +35,7 @@ def launch(args: list[str], cwd: Path) -> tuple[int, str]:
     return res.returncode, res.stdout + res.stderr
 
 
+@pytest.mark.slow
 def test_doctor_and_preflight_name_the_bad_gpu_and_pass_the_healthy_node(tmp_path: Path) -> None:
     good, bad = tmp_path / "good", tmp_path / "bad"
     shutil.copytree(FIXTURES / "h100x8", good)
@@ -89,6 +90,7 @@ def _recording(src: Path, dst: Path, util: list[int], used_mib: int) -> Path:
     return dst
 
 
+@pytest.mark.slow
 def test_status_shows_each_nodes_gpu_use_and_flags_the_idle_node(tmp_path: Path) -> None:
     """#29 on three testbed hosts, each with a fake nvidia-smi of its own: node0 busy, node1 busy but
     for one GPU, node2's eight GPUs idle. While the job runs, `ddp-launch status JOB` shows each node's

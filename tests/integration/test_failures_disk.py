@@ -78,6 +78,7 @@ def test_disk_full_under_torchrun_the_other_rank_names_rank_0(tmp_path: Path) ->
         assert "ddp_train/trainer.py" not in out, describe(proc)  # no worker traceback at all
 
 
+@pytest.mark.slow
 def test_read_only_checkpoint_dir_names_it(tmp_path: Path) -> None:
     # mode=0755: a tmpfs root is 1777 by default, and a checkpoint.dir others can write is refused at
     # the start (storage.own_dir), before the read-only file system this test is about is ever met

@@ -159,6 +159,7 @@ def test_a_resume_on_fewer_ranks_keeps_the_global_batch_and_ends_where_the_strai
         torch.testing.assert_close(a[k], b[k], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_a_world_size_that_cannot_split_the_global_batch_is_one_line_exit_2(work):
     bad = run_torchrun([*COMMON, *sets(train__global_batch=63, run__dir="odd")], cwd=work)
     assert bad.returncode != 0
@@ -266,6 +267,7 @@ def test_sigterm_to_one_worker_stops_every_rank_after_the_same_step(work):
     assert (work / "sigterm-one" / "default" / "checkpoints" / f"step-{stopped[0]:08d}.pt").is_file()
 
 
+@pytest.mark.slow
 def test_single_process_without_torchrun(tmp_path):
     cmd = [sys.executable, "-m", "ddp_train", *sets(train__max_steps=3, checkpoint__resume="never")]
     proc = subprocess.run(cmd, cwd=tmp_path, env=trainer_env(), capture_output=True, text=True, timeout=120)

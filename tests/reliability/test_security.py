@@ -233,6 +233,7 @@ def test_hostile_values_reach_the_trainer_on_testbed_hosts_verbatim(testbed: Tes
     assert_nothing_left(tb, job)
 
 
+@pytest.mark.slow
 @pytest.mark.testbed
 def test_unknown_or_changed_host_key_is_refused_before_anything_starts(
     testbed: Testbed, tmp_path: Path
@@ -297,6 +298,7 @@ def test_unknown_or_changed_host_key_is_refused_before_anything_starts(
     assert not (home / ".ssh").exists()
 
 
+@pytest.mark.slow
 def test_secret_values_are_in_no_command_line_on_the_node(tmp_path: Path) -> None:
     """Formerly a strict xfail: `setsid -w env K=V ...` kept ddp_env values readable by every user."""
     secret = "hf_Zq81-visible-in-ps"
@@ -403,6 +405,7 @@ def test_no_secret_in_ps_on_any_node_during_preflight_or_training(testbed: Testb
     assert {p.name: p.stat().st_mode & 0o777 for p in files} == {p.name: 0o600 for p in files}
 
 
+@pytest.mark.slow
 def test_a_stack_directory_prepared_by_another_user_is_never_written_through(
     tmp_path: Path,
     unprivileged_user: str,  # noqa: F811 - the fixture imported above
@@ -437,6 +440,7 @@ def test_a_stack_directory_prepared_by_another_user_is_never_written_through(
         shutil.rmtree(trap, ignore_errors=True)
 
 
+@pytest.mark.slow
 @pytest.mark.testbed
 def test_preflight_warns_when_master_port_answers_the_controller_that_is_no_node(
     testbed: Testbed, tmp_path: Path

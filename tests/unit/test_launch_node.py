@@ -96,6 +96,7 @@ def test_marked_json_takes_the_last_marked_line() -> None:
         node.marked_json("DDP-X {not json", "DDP-X ")
 
 
+@pytest.mark.slow
 def test_ruff_and_mypy_pass_on_the_node_modules(tmp_path: Path) -> None:
     """The node code is linted and type-checked like the rest ([tool.mypy] in pyproject: strict here)."""
     pytest.importorskip("mypy")

@@ -412,6 +412,7 @@ def test_launch_warns_by_default_and_strict_refuses_with_exit_2(tmp_path: Path, 
     assert code == 0 and err == "" and out.count("torchrun") == 2
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the local nodes have GPUs here: nccl is right")
 def test_strict_refuses_nccl_on_nodes_without_gpu_after_preflight_with_exit_3(tmp_path: Path) -> None:
     """Finding 8 through the console script: local preflight (no torchrun starts), then exit 3."""

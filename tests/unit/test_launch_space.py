@@ -42,6 +42,7 @@ def test_estimate_is_weights_times_three_under_adamw_and_best_pt_the_weights() -
     assert checkpoint_bytes(load_config(None, ["train.optimizer=sgd", "train.momentum=0"]))[0] == best
 
 
+@pytest.mark.slow
 def test_a_built_in_models_size_is_remembered_so_the_next_launch_does_not_import_torch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -235,6 +235,7 @@ def peak_rss_kib(corpus: Path, out: Path) -> tuple[int, int]:
     return self_kib, kids_kib
 
 
+@pytest.mark.slow
 def test_a_corpus_larger_than_the_memory_bound_streams(tmp_path):
     """48 MiB of text through 2 workers: no process grows by more than 24 MiB over a 10-byte corpus."""
     tiny, big = tmp_path / "tiny.txt", tmp_path / "big.txt"

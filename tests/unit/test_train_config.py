@@ -238,6 +238,7 @@ _values = st.recursive(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.dictionaries(_keys, _values, max_size=5), override=st.text(max_size=20))
 def test_fuzzed_configs_load_or_raise_config_error(tmp_path_factory, data, override):

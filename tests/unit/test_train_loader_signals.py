@@ -102,6 +102,7 @@ def assert_workers_never_open_to_a_stop(ready: dict) -> None:
         assert has(held, signal.SIGTERM) and has(held, signal.SIGINT), hex(held)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("start", "sig"),
     [("fork", signal.SIGTERM), ("forkserver", signal.SIGINT), ("forkserver", signal.SIGTERM)],
@@ -133,6 +134,7 @@ def test_a_stop_to_the_process_group_leaves_the_workers_serving_until_the_rank_c
     assert [proc_state(p) for p in workers] == ["gone", "gone"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("start", STARTS)
 def test_workers_of_a_killed_rank_exit_at_once(start: str) -> None:
     """torch's own watchdog notices a dead parent only every 5 s, and only while a worker is idle."""

@@ -305,6 +305,7 @@ def _two_ranks(rank: int, port: int, out: dict, tmp: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_resume_broadcast_lands_in_the_model_tensors_and_objects_travel(tmp_path):
     port = free_port()
     with mp.Manager() as manager:
