@@ -392,8 +392,8 @@ def _worker_init(rank_pid: int, _worker_id: int) -> None:
     actions (torch 2.13 utils/data/_utils/signal_handling.py handles SIGSEGV/SIGBUS/SIGFPE only): a stop
     killed them mid-step and the rank failed with "DataLoader worker (pid N) is killed by signal:
     Terminated" before it could save. The rank ends them itself (ShardedBatches.close). A forked worker
-    also leaves the stall watchdog's stack dump to its rank (stackdump.not_in_a_worker), first: a
-    worker whose stops are lifted is past its init (test_train_loader_signals waits for just that)."""
+    also leaves the stall watchdog's stack dump to its rank (stackdump.not_in_a_worker), first: lifting
+    the stops is the last step of the init, so a worker that no longer holds them is fully set up."""
     stackdump.not_in_a_worker()
     workerproc.leave_stops_to(rank_pid)
 
