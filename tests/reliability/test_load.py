@@ -30,7 +30,8 @@ STEPS = 10
 
 @pytest.fixture(scope="module")
 def tb() -> Iterator[Testbed]:
-    with private_testbed("rlld", "10.213.91", HOSTS) as bed:
+    # Every host imports torch in its own probe, as on a first launch on real nodes.
+    with private_testbed("rlld", "10.213.91", HOSTS, shared_probe_cache=False) as bed:
         yield bed
 
 

@@ -66,6 +66,9 @@ DEFAULT_NET = os.environ.get("DDP_TESTBED_NET", "10.213.50")
 OVERLAY_DIRS = ("/etc", "/opt", "/root", "/srv", "/home", "/var")
 # Where the hosts' Python keeps the compiled code of Ansible's module payload (tests/testbed/zipcode.py).
 ZIPCODE_CACHE = REPO_ROOT / ".cache" / "testbed-zipcode"
+# The preflight probe's torch facts (ddp_train/launch/node/probe.py, ~/.cache/ddp-launch), shared by root
+# on every Debian host: they all run this machine's venv, so one import of torch answers for all of them.
+PROBE_CACHE = REPO_ROOT / ".cache" / "testbed-probe"
 # EL sim hosts: packages install into /usr and /boot too. /usr first, so the uname shim named in the
 # overlaid /etc/ld.so.preload exists before any later command of the host's setup runs.
 EL_OVERLAY_DIRS = ("/usr", "/boot", *OVERLAY_DIRS)
@@ -326,6 +329,7 @@ class Testbed:
         gpu_model: str = "h100",
         usr_local: bool = False,
         firewalld: bool = False,
+        shared_probe_cache: bool = True,
     ) -> list[Host]:
         """Create n hosts (tearing down a previous testbed of this prefix first).
 
@@ -333,6 +337,10 @@ class Testbed:
         usr_local: Debian hosts also get an overlay over /usr/local, so a test can put fakes (a recorded
         nvidia-smi) in /usr/local/bin, which is first on the hosts' PATH (EL hosts overlay all of /usr).
         firewalld: EL sim hosts run a private D-Bus and firewalld, as a real EL host does (el/firewalld.py).
+        shared_probe_cache: root's probe cache on Debian hosts is one directory (PROBE_CACHE) for all of
+        them. Its key names the Python, torch's files and the environment that changes what torch sees
+        (PYTHONPATH, CUDA_VISIBLE_DEVICES...), so a host made to differ gets its own entry and imports
+        torch; False gives each host its own cache, as on real nodes (each imports torch once).
         """
         if not 1 <= n <= 200:
             raise TestbedError(f"host count must be 1..200, got {n}")
@@ -354,6 +362,7 @@ class Testbed:
         self._hw = {"gpus": gpus, "nvswitch": nvswitch, "gpu_model": gpu_model}
         self._usr_local = usr_local
         self._firewalld = firewalld
+        self._probe_cache = shared_probe_cache and self.os not in EL_OSES
         if firewalld:
             from .el import firewalld as el_firewalld
 
@@ -456,6 +465,10 @@ SetEnv PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin PIP_COM
                 _cache_ansible_payload_code(upper)
             if src == "/root":
                 _fresh_root_shell_files(upper)
+        if self._probe_cache:
+            PROBE_CACHE.mkdir(parents=True, exist_ok=True)
+            cache = "/root/.cache/ddp-launch"
+            setup += [f"mkdir -p {cache}", f"mount --bind {PROBE_CACHE} {cache}"]
         setup += [
             f"cp {d}/hosts /etc/hosts",
             f"cp {d}/hostname /etc/hostname",
