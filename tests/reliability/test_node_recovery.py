@@ -55,7 +55,7 @@ def inv(bed: Testbed, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, P
     own = {h.name: {"ddp_workdir": str(root / f"work-{h.name}")} for h in bed.hosts()}
     for d in own.values():
         Path(d["ddp_workdir"]).mkdir()
-    return root, provision(bed, root, monitor="node3", host_vars=own, all_vars=extra)
+    return root, provision(bed, root, monitor="node3", host_vars=own, all_vars=extra, verify=False)
 
 
 def console(root: Path, job: str) -> str:
