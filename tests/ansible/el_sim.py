@@ -11,11 +11,9 @@ from pathlib import Path
 
 import tests.conftest as root_conftest
 from tests import testbed as testbed_mod
-from tests.ansible.conftest import ANSI, REPO_ROOT, molecule_step, molecule_test, recaps, run, tool_env
+from tests.ansible.conftest import molecule_step, molecule_test, recaps, run, tool_env
 
 SIM = "/var/lib/ddp-sim"
-# The el9-sim scenario's variables (its inventory source holds group_vars only).
-SCENARIO_VARS = ["-i", "molecule/el9-sim/inventory/"]
 
 
 def sh(tb, host: int, cmd: str, check: bool = True) -> str:
@@ -23,22 +21,17 @@ def sh(tb, host: int, cmd: str, check: bool = True) -> str:
 
 
 @contextlib.contextmanager
-def gpu_converged(prefix: str, net: str, venv_bin: Path, facts: Path, **up) -> Iterator:
-    """One EL9 sim host (node0, 8 GPUs; `up` as private_testbed's) after playbooks/gpu.yml converged it,
-    with the el9-sim scenario's variables: the GPU stack the scenario's converge installs."""
-    with root_conftest.private_testbed(prefix, net, 1, os="rocky9", gpus=8, **up) as tb:
-        argv = [str(venv_bin / "ansible-playbook"), "-i", str(tb.inventory), *SCENARIO_VARS]
-        env = tool_env(venv_bin, facts, MOLECULE_PROJECT_DIRECTORY=str(REPO_ROOT))
-        res = run([*argv, "playbooks/gpu.yml"], env, 900, merge=True)
-        assert res.returncode == 0 and recaps(res.stdout)["node0"] > 0, ANSI.sub("", res.stdout)[-4000:]
-        yield tb
-
-
-@contextlib.contextmanager
-def molecule_converged(scenario: str, prefix: str, net: str, os_name: str, venv_bin: Path) -> Iterator:
-    """The scenario's hosts node0 and node1 after `molecule test -s <scenario> --destroy never`: converged
-    (changed > 0 on both), idempotent (changed=0) and verified; yields (Testbed, molecule's output) and
-    destroys them at the end."""
+def molecule_converged(
+    scenario: str,
+    prefix: str,
+    net: str,
+    os_name: str,
+    venv_bin: Path,
+    hosts: tuple[str, ...] = ("node0", "node1"),
+) -> Iterator:
+    """The scenario's hosts (`hosts`, as its create.yml brings them up) after `molecule test -s <scenario>
+    --destroy never`: converged (changed > 0 on each), idempotent (changed=0) and verified; yields
+    (Testbed, molecule's output) and destroys them at the end."""
     root_conftest.require_testbed()
     # --destroy never skips the sequence's first destroy too: an interrupted earlier run's state
     # ("instances already created", without its inventory) would make this converge nothing.
@@ -47,8 +40,8 @@ def molecule_converged(scenario: str, prefix: str, net: str, os_name: str, venv_
         out = molecule_test(scenario, venv_bin, "--destroy", "never")
         converge = recaps(molecule_step(out, scenario, "converge"))
         idempotence = recaps(molecule_step(out, scenario, "idempotence"))
-        assert sorted(converge) == ["node0", "node1"] and all(c > 0 for c in converge.values()), converge
-        assert idempotence == {"node0": 0, "node1": 0}, idempotence
+        assert sorted(converge) == sorted(hosts) and all(c > 0 for c in converge.values()), converge
+        assert idempotence == dict.fromkeys(hosts, 0), idempotence
         assert f"[{scenario} > verify] Executed: Successful" in out
         yield testbed_mod.Testbed(prefix=prefix, net=net, os=os_name), out
     finally:
