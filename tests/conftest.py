@@ -12,6 +12,14 @@ from typing import Any
 
 import pytest
 
+# One intra-op thread in every test process and what it starts (ddp-launch already gives its ranks
+# OMP_NUM_THREADS=1, launch/plan/plan.py). Set before torch loads: libgomp reads it when it loads. Under
+# `-n 4` on 2 cores, torch's second thread spin-waits for a core the other workers hold. Beside two busy
+# processes, the torch-heavy unit modules (train_loop, train_gpu_round2, train_eval) took 60 CPU-s with
+# two threads and 38 with one; a 40-step gpt-tiny run 9.5-13 and 5.3-5.6 (alone: 5.4-5.8 and 4.7-4.9).
+# Numerics tests compare runs of one setting, never across settings.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # ansible-core replaces sys.intern with a callable class when it loads an inventory; torch's dynamo
 # registers a polyfill for sys.intern on first use (any optimizer step) and refuses a non-function.
 # The launcher's process never runs an optimizer, but this one test process does both: register the
